@@ -1,0 +1,39 @@
+"""The application builder: what `import_path: serve_app.app:build_app` in a Serve config points at.
+
+`args` are validated here, once, by `AppConfig`; a bad config fails `serve run` / `serve deploy`
+with a message that names the field, before any replica starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ray.serve import Application
+
+from serve_app.config import AppConfig
+from serve_app.engine.engine import scheduler_class
+from serve_app.ingress import DiffusionIngress
+from serve_app.replica import DiffusionReplicaDeployment
+
+
+def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
+    cfg = args if isinstance(args, AppConfig) else AppConfig.from_args(args)
+    if cfg.model.scheduler:
+        scheduler_class(cfg.model.scheduler)
+    r = cfg.replica
+    replica = DiffusionReplicaDeployment.options(
+        num_replicas=r.num_replicas,
+        ray_actor_options={"num_gpus": r.num_gpus, "num_cpus": r.num_cpus},
+        max_ongoing_requests=r.max_ongoing_requests,
+        max_queued_requests=r.max_queued_requests,
+        health_check_period_s=r.health_check_period_s,
+        health_check_timeout_s=r.health_check_timeout_s,
+        graceful_shutdown_timeout_s=r.graceful_shutdown_timeout_s,
+        max_constructor_retry_count=r.max_constructor_retry_count,
+    ).bind(cfg.model.model_dump(), r.max_consecutive_failures)
+    ing = cfg.ingress
+    return DiffusionIngress.options(
+        num_replicas=ing.num_replicas,
+        ray_actor_options={"num_cpus": ing.num_cpus},
+        max_ongoing_requests=ing.max_ongoing_requests,
+    ).bind(replica, cfg.model_dump())

@@ -1,0 +1,135 @@
+"""Deployment settings: one pydantic model, validated once when the app is built.
+
+A bad value fails `serve run` / `serve deploy` with a message that names the field,
+instead of failing at the first request. Nothing here imports torch or diffusers, so
+the ingress can read the same models without loading a model stack.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+BUILTIN_PREFIX = "builtin:"
+# Names accepted after `builtin:`; the builders live in serve_app/engine/builtin.py.
+BUILTIN_MODELS = ("tiny-sd", "sd15-arch", "sdxl-arch")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelConfig(_Strict):
+    """What the engine loads and how it runs it. Plain data: the engine reads it, Ray does not."""
+
+    source: str = Field(
+        "builtin:tiny-sd",
+        description="`builtin:<name>`, a local diffusers directory, or a Hugging Face hub id.",
+    )
+    name: str | None = Field(None, description="Model name served in /v1/models; default from `source`.")
+    revision: str | None = None
+    variant: str | None = Field(None, description="Weights variant for hub/local loads, e.g. `fp16`.")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="`auto`: float16 on CUDA, float32 on CPU."
+    )
+    scheduler: str | None = Field(None, description="diffusers scheduler class name to use instead.")
+    seed: int = Field(0, description="Seed of the random weights of `builtin:` models.")
+    default_height: int | None = Field(None, ge=8, multiple_of=8)
+    default_width: int | None = Field(None, ge=8, multiple_of=8)
+    default_steps: int = Field(20, ge=1)
+    default_guidance_scale: float = Field(7.5, ge=0)
+    warmup: bool = True
+    warmup_steps: int = Field(2, ge=1)
+    cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch intra-op threads on CPU; default: every core. Ray sets OMP_NUM_THREADS=1 "
+        "in actors, which halves the speed of a CPU replica.",
+    )
+    local_files_only: bool = False
+
+    @field_validator("source")
+    @classmethod
+    def _known_builtin(cls, v: str) -> str:
+        v = v.strip()
+        if not v:
+            raise ValueError("must not be empty")
+        if v.startswith(BUILTIN_PREFIX) and v[len(BUILTIN_PREFIX) :] not in BUILTIN_MODELS:
+            allowed = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)
+            raise ValueError(f"unknown builtin model {v!r}; allowed: {allowed}")
+        return v
+
+    @property
+    def served_name(self) -> str:
+        if self.name:
+            return self.name
+        src = self.source.rstrip("/")
+        if src.startswith(BUILTIN_PREFIX):
+            return src[len(BUILTIN_PREFIX) :]
+        return src.rsplit("/", 1)[-1] if src.startswith(("/", ".")) else src
+
+
+class Limits(_Strict):
+    """Bounds on what one request may ask for; checked by the ingress before a replica sees it."""
+
+    max_pixels: int = Field(1024 * 1024, ge=64, description="Upper bound on width * height.")
+    max_side: int = Field(2048, ge=8, description="Upper bound on width and on height.")
+    max_steps: int = Field(100, ge=1)
+    max_images: int = Field(8, ge=1, description="Upper bound on `n` (images per prompt).")
+    max_prompts: int = Field(16, ge=1, description="Upper bound on prompts in one batch request.")
+    max_prompt_chars: int = Field(4000, ge=1)
+    max_guidance_scale: float = Field(50.0, ge=0)
+
+
+class ReplicaConfig(_Strict):
+    """Serve options of the diffusion replica deployment (one replica per GPU)."""
+
+    num_replicas: int = Field(1, ge=1)
+    num_gpus: float = Field(0, ge=0, description="1 on a GPU machine: one replica per GPU.")
+    num_cpus: float = Field(0, ge=0)
+    max_ongoing_requests: int = Field(16, ge=1)
+    max_queued_requests: int = Field(-1, ge=-1)
+    health_check_period_s: float = Field(10.0, gt=0)
+    health_check_timeout_s: float = Field(30.0, gt=0)
+    graceful_shutdown_timeout_s: float = Field(60.0, ge=0)
+    max_constructor_retry_count: int = Field(
+        3, ge=1, description="Failed model loads before the deployment is marked failed."
+    )
+    max_consecutive_failures: int = Field(
+        5, ge=1, description="Engine failures in a row after which the replica reports itself unhealthy."
+    )
+
+
+class IngressConfig(_Strict):
+    num_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(0, ge=0)
+    max_ongoing_requests: int = Field(256, ge=1)
+    request_timeout_s: float = Field(600.0, gt=0, description="Deadline for one request end to end.")
+
+
+class AppConfig(_Strict):
+    """The `args` of the Serve application (see serve_config.yaml)."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    limits: Limits = Field(default_factory=Limits)
+    replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
+    ingress: IngressConfig = Field(default_factory=IngressConfig)
+
+    @model_validator(mode="after")
+    def _defaults_within_limits(self) -> AppConfig:
+        m, lim = self.model, self.limits
+        for side in ("default_height", "default_width"):
+            v = getattr(m, side)
+            if v is not None and v > lim.max_side:
+                raise ValueError(f"model.{side}={v} exceeds limits.max_side={lim.max_side}")
+        if m.default_steps > lim.max_steps:
+            raise ValueError(f"model.default_steps={m.default_steps} exceeds limits.max_steps={lim.max_steps}")
+        if m.device == "cpu" and m.dtype == "float16":
+            raise ValueError("model.dtype=float16 is not supported on CPU; use float32 or bfloat16")
+        return self
+
+    @classmethod
+    def from_args(cls, args: dict[str, Any] | None) -> AppConfig:
+        return cls.model_validate(args or {})

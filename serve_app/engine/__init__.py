@@ -1,0 +1,12 @@
+"""The diffusion engine: plain Python over diffusers, with no Ray inside."""
+
+from serve_app.engine.engine import (
+    CallParams,
+    DiffusionEngine,
+    EngineOutput,
+    ModelLoadError,
+    Row,
+    encode_images,
+)
+
+__all__ = ["CallParams", "DiffusionEngine", "EngineOutput", "ModelLoadError", "Row", "encode_images"]

@@ -1,0 +1,369 @@
+"""The diffusion engine: one diffusers pipeline, one batch of rows per call. No Ray in here.
+
+A call takes rows (prompt, negative prompt, seed: one image each) that share one set of call
+parameters. Every row gets its own `torch.Generator`, so an image depends only on its prompt,
+the parameters and its seed, never on what else shared the call. The replica decides which
+requests share a call; the engine only runs it and says where the time went.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from serve_app.config import BUILTIN_PREFIX, ModelConfig
+from serve_app.schemas import RESERVED_EXTRA_KEYS
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class ModelLoadError(RuntimeError):
+    """The configured model cannot be loaded; the message says why and what to change."""
+
+
+@dataclass(frozen=True)
+class Row:
+    """One image to make."""
+
+    prompt: str
+    negative_prompt: str | None
+    seed: int
+
+
+@dataclass(frozen=True)
+class CallParams:
+    """What every row of one pipeline call shares."""
+
+    height: int
+    width: int
+    steps: int
+    guidance_scale: float
+    extra: tuple[tuple[str, Any], ...] = ()
+    return_latents: bool = False
+    return_trajectory: bool = False
+
+
+# Called after every denoising step with (step index, total steps, latents); returning True
+# stops the call at that step (the hook that abort and progress use).
+StepHook = Callable[[int, int, torch.Tensor], bool | None]
+
+
+@dataclass
+class EngineOutput:
+    images: list[Any]  # PIL images, one per row
+    timings_ms: dict[str, float]
+    peak_memory_mb: float
+    memory_kind: str
+    latents: torch.Tensor | None = None
+    trajectory_latents: list[torch.Tensor] | None = None
+    trajectory_timesteps: list[float] | None = None
+    steps_run: int = 0
+    interrupted: bool = False
+
+
+@dataclass
+class _CallState:
+    t0: float = 0.0
+    denoise_start: float | None = None
+    denoise_end: float | None = None
+    steps_run: int = 0
+    last_latents: torch.Tensor | None = None
+    trajectory: list[torch.Tensor] = field(default_factory=list)
+    timesteps: list[float] = field(default_factory=list)
+
+
+def resolve_device(cfg: ModelConfig) -> torch.device:
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("model.device is 'cuda' but no CUDA device is visible to this replica")
+    return torch.device(cfg.device)
+
+
+def resolve_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    return _DTYPES[cfg.dtype]
+
+
+def load_pipeline(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
+    """Load from `builtin:<name>`, a local diffusers directory, or a hub id."""
+    src = cfg.source
+    if src.startswith(BUILTIN_PREFIX):
+        from serve_app.engine.builtin import build_builtin
+
+        pipe = build_builtin(src[len(BUILTIN_PREFIX) :], device=device, seed=cfg.seed)
+        return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+
+    from diffusers import DiffusionPipeline
+
+    looks_local = src.startswith(("/", "./", "../", "~")) or Path(src).expanduser().exists()
+    if looks_local:
+        path = Path(src).expanduser()
+        if not path.is_dir():
+            raise ModelLoadError(f"model.source: {src!r} is not a directory")
+        if not (path / "model_index.json").is_file():
+            raise ModelLoadError(f"model.source: {src!r} has no model_index.json; not a diffusers pipeline")
+        src = str(path)
+    try:
+        pipe = DiffusionPipeline.from_pretrained(
+            src,
+            torch_dtype=dtype,
+            revision=cfg.revision,
+            variant=cfg.variant,
+            local_files_only=cfg.local_files_only,
+        )
+    except Exception as e:  # diffusers raises many types here; all mean "cannot load"
+        raise ModelLoadError(f"model.source: cannot load {src!r}: {type(e).__name__}: {e}") from e
+    return pipe.to(device)
+
+
+def scheduler_class(name: str):
+    """The diffusers scheduler class called `name`; ValueError if there is none."""
+    import diffusers
+
+    cls = getattr(diffusers, name, None)
+    if not (inspect.isclass(cls) and issubclass(cls, diffusers.SchedulerMixin)):
+        raise ValueError(
+            f"model.scheduler: {name!r} is not a diffusers scheduler class (e.g. 'EulerDiscreteScheduler')"
+        )
+    return cls
+
+
+def encode_images(images: Sequence[Any], fmt: str) -> list[bytes]:
+    """PIL images to bytes. PNG at a low compression level: it is on the serving path."""
+    out = []
+    for im in images:
+        buf = io.BytesIO()
+        if fmt == "png":
+            im.save(buf, format="PNG", compress_level=1)
+        elif fmt == "jpeg":
+            im.convert("RGB").save(buf, format="JPEG", quality=90)
+        elif fmt == "webp":
+            im.save(buf, format="WEBP", quality=90)
+        else:
+            raise ValueError(f"output_format must be png, jpeg or webp, not {fmt!r}")
+        out.append(buf.getvalue())
+    return out
+
+
+class _PeakMemory:
+    """Peak device memory on CUDA; on CPU the growth of the process's peak RSS during the call."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.kind = "cuda" if device.type == "cuda" else "cpu_rss"
+        self._base = 0
+
+    def start(self) -> None:
+        if self.kind == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return
+        try:  # Linux: writing 5 resets VmHWM (the peak RSS) to the current RSS
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+        self._base = _proc_status_kb("VmRSS")
+
+    def stop(self) -> float:
+        if self.kind == "cuda":
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        return max(0, _proc_status_kb("VmHWM") - self._base) / 1024
+
+
+def _proc_status_kb(key: str) -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class DiffusionEngine:
+    """Owns one pipeline on one device. Not thread-safe: the replica calls it from one thread."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self.device = resolve_device(cfg)
+        self.dtype = resolve_dtype(cfg, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(cfg.cpu_threads or os.cpu_count() or 1)
+        t = time.perf_counter()
+        self.pipe = load_pipeline(cfg, self.device, self.dtype)
+        if cfg.scheduler:
+            self.pipe.scheduler = scheduler_class(cfg.scheduler).from_config(self.pipe.scheduler.config)
+        self.pipe.set_progress_bar_config(disable=True)
+        self.load_s = time.perf_counter() - t
+        self._call_args = self._named_call_args()
+        self.default_height, self.default_width = self._native_size()
+        self._state: _CallState | None = None
+        self._hook_handle = self._denoiser().register_forward_pre_hook(self._on_denoiser_call)
+        self._memory = _PeakMemory(self.device)
+        logger.info(
+            "loaded %s on %s/%s in %.1fs (native %dx%d)",
+            cfg.source, self.device, self.dtype, self.load_s, self.default_width, self.default_height,
+        )  # fmt: skip
+        if cfg.warmup:
+            self.warmup()
+
+    # ------------------------------------------------------------------ description
+
+    @property
+    def model_name(self) -> str:
+        return self.cfg.served_name
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "model": self.model_name,
+            "source": self.cfg.source,
+            "pipeline": type(self.pipe).__name__,
+            "scheduler": type(self.pipe.scheduler).__name__,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "default_height": self.default_height,
+            "default_width": self.default_width,
+            "default_steps": self.cfg.default_steps,
+            "default_guidance_scale": self.cfg.default_guidance_scale,
+            "load_s": round(self.load_s, 3),
+        }
+
+    def _denoiser(self) -> torch.nn.Module:
+        for name in ("unet", "transformer", "prior"):
+            mod = getattr(self.pipe, name, None)
+            if isinstance(mod, torch.nn.Module):
+                return mod
+        raise ModelLoadError(f"{type(self.pipe).__name__} has no unet or transformer to time")
+
+    def _native_size(self) -> tuple[int, int]:
+        scale = getattr(self.pipe, "vae_scale_factor", 8)
+        sample = getattr(self.pipe, "default_sample_size", None)
+        if sample is None:
+            sample = getattr(getattr(self.pipe, "unet", None), "config", {}).get("sample_size", 64)
+        if isinstance(sample, list | tuple):
+            sample = sample[0]
+        native = int(sample) * int(scale)
+        return self.cfg.default_height or native, self.cfg.default_width or native
+
+    def _named_call_args(self) -> set[str]:
+        params = inspect.signature(self.pipe.__call__).parameters
+        named = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
+        return named - RESERVED_EXTRA_KEYS
+
+    def check_extra(self, extra: dict[str, Any]) -> None:
+        """Refuse `extra` keys the pipeline's call does not name (diffusers drops them silently)."""
+        unknown = sorted(set(extra) - self._call_args)
+        if unknown:
+            raise ValueError(
+                f"extra: {type(self.pipe).__name__} takes no argument {', '.join(map(repr, unknown))}; "
+                f"it takes: {', '.join(sorted(self._call_args))}"
+            )
+
+    # ------------------------------------------------------------------ running
+
+    def warmup(self) -> None:
+        t = time.perf_counter()
+        params = CallParams(
+            height=self.default_height,
+            width=self.default_width,
+            steps=self.cfg.warmup_steps,
+            guidance_scale=self.cfg.default_guidance_scale,
+        )
+        self.run([Row("warm-up", None, 0)], params)
+        logger.info("warm-up took %.2fs", time.perf_counter() - t)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _on_denoiser_call(self, module, args) -> None:
+        st = self._state
+        if st is not None and st.denoise_start is None:
+            self._sync()
+            st.denoise_start = time.perf_counter()
+
+    def run(self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None = None) -> EngineOutput:
+        """Run one pipeline call over `rows`; raises whatever the pipeline raises."""
+        if not rows:
+            raise ValueError("run() needs at least one row")
+        st = _CallState(t0=time.perf_counter())
+        total = params.steps
+
+        def on_step_end(pipe, i, t, kwargs):
+            latents = kwargs["latents"]
+            st.steps_run = i + 1
+            if params.return_trajectory:
+                st.trajectory.append(latents.detach().float().cpu())
+                st.timesteps.append(float(t))
+            last = i + 1 == total
+            stop = bool(step_hook(i, total, latents)) if step_hook is not None else False
+            if stop:
+                pipe._interrupt = True
+            if last or stop:
+                if params.return_latents:
+                    st.last_latents = latents.detach().float().cpu()
+                self._sync()
+                st.denoise_end = time.perf_counter()
+            return {}
+
+        negatives = [r.negative_prompt for r in rows]
+        generators = [torch.Generator(self.device).manual_seed(r.seed) for r in rows]
+        self._state = st
+        self._memory.start()
+        try:
+            out = self.pipe(
+                prompt=[r.prompt for r in rows],
+                negative_prompt=None if all(n is None for n in negatives) else [n or "" for n in negatives],
+                height=params.height,
+                width=params.width,
+                num_inference_steps=params.steps,
+                guidance_scale=params.guidance_scale,
+                num_images_per_prompt=1,
+                generator=generators,
+                output_type="pil",
+                callback_on_step_end=on_step_end,
+                callback_on_step_end_tensor_inputs=["latents"],
+                **dict(params.extra),
+            )
+        finally:
+            self._state = None
+        end = time.perf_counter()
+        start = st.denoise_start or st.t0
+        denoise_end = st.denoise_end or end
+        timings = {
+            "text_encode_ms": (start - st.t0) * 1e3,
+            "denoise_ms": (denoise_end - start) * 1e3,
+            "vae_decode_ms": (end - denoise_end) * 1e3,
+            "pipeline_ms": (end - st.t0) * 1e3,
+        }
+        return EngineOutput(
+            images=list(out.images),
+            timings_ms=timings,
+            peak_memory_mb=self._memory.stop(),
+            memory_kind=self._memory.kind,
+            latents=st.last_latents,
+            trajectory_latents=st.trajectory if params.return_trajectory else None,
+            trajectory_timesteps=st.timesteps if params.return_trajectory else None,
+            steps_run=st.steps_run,
+            interrupted=st.steps_run < total,
+        )
+
+    def close(self) -> None:
+        self._hook_handle.remove()
+        self.pipe = None
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

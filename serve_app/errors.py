@@ -1,0 +1,76 @@
+"""The one error type every failure leaves through.
+
+A `ServingError` carries an HTTP status, an OpenAI-style error type, a message and, where it
+applies, the offending field and the request id. The ingress turns it into a JSON error body;
+handle callers catch the subclass itself (Ray re-raises it on the caller's side).
+"""
+
+from __future__ import annotations
+
+
+class ServingError(Exception):
+    status_code = 500
+    error_type = "server_error"
+
+    def __init__(self, message: str, *, param: str | None = None, request_id: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.request_id = request_id
+
+    def __reduce__(self):
+        # Keyword-only fields survive the trip through Ray's pickling.
+        return (_rebuild, (type(self), self.message, self.param, self.request_id))
+
+    def __str__(self) -> str:
+        prefix = f"[{self.request_id}] " if self.request_id else ""
+        return prefix + self.message
+
+    def to_body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.error_type,
+                "param": self.param,
+                "code": self.status_code,
+                "request_id": self.request_id,
+            }
+        }
+
+
+def _rebuild(cls, message, param, request_id):
+    return cls(message, param=param, request_id=request_id)
+
+
+class InvalidRequest(ServingError):
+    status_code = 400
+    error_type = "invalid_request_error"
+
+
+class NotFound(ServingError):
+    status_code = 404
+    error_type = "not_found_error"
+
+
+class EngineFailure(ServingError):
+    """The engine raised while running this request; the replica keeps serving."""
+
+    status_code = 500
+    error_type = "engine_error"
+
+
+class OutOfMemory(ServingError):
+    """The device ran out of memory on this request; retrying smaller or later may work."""
+
+    status_code = 503
+    error_type = "out_of_memory"
+
+
+class Unavailable(ServingError):
+    status_code = 503
+    error_type = "unavailable"
+
+
+class DeadlineExceeded(ServingError):
+    status_code = 504
+    error_type = "timeout"

@@ -1,0 +1,240 @@
+"""The ingress: the HTTP API (OpenAI Images compatible) and the Python API for handle callers.
+
+It checks every request against the deployment's limits before a replica sees it, gives it
+an id and a seed (so a retried request makes the same image), forwards it to the replicas
+through a `DeploymentHandle`, and turns every failure into one `ServingError`. No diffusers
+and no torch here.
+"""
+
+
+import asyncio
+import base64
+import logging
+import random
+import time
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from ray import serve
+from ray.exceptions import RayError, RayTaskError
+from ray.serve.handle import DeploymentHandle
+
+from serve_app.config import AppConfig, Limits
+from serve_app.errors import DeadlineExceeded, InvalidRequest, NotFound, ServingError, Unavailable
+from serve_app.schemas import (
+    MAX_SEED,
+    BatchGenerationRequest,
+    ErrorResponse,
+    GenerationParams,
+    GenerationRequest,
+    GenerationResult,
+    ImageData,
+    ImagesBatchRequest,
+    ImagesGenerationRequest,
+    ImagesResponse,
+    ModelCard,
+    ModelList,
+    new_request_id,
+)
+
+logger = logging.getLogger("ray.serve")
+
+app = FastAPI(
+    title="diffusion-serve",
+    description="Diffusion image models on Ray Serve; the image routes follow the OpenAI Images API.",
+    version="0.1.0",
+)
+_ERRORS = {400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 500: {"model": ErrorResponse},
+           503: {"model": ErrorResponse}, 504: {"model": ErrorResponse}}  # fmt: skip
+
+
+@app.exception_handler(ServingError)
+async def _serving_error(request: Request, exc: ServingError) -> JSONResponse:
+    headers = {"X-Request-Id": exc.request_id} if exc.request_id else None
+    return JSONResponse(exc.to_body(), status_code=exc.status_code, headers=headers)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    return await _serving_error(request, validation_to_error(exc.errors()))
+
+
+def validation_to_error(errors: list[dict[str, Any]]) -> InvalidRequest:
+    """Pydantic's error list -> one 400 naming each field and what it allows."""
+    parts, first = [], None
+    for err in errors:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        name = ".".join(loc) or "body"
+        first = first or name
+        msg = err.get("msg", "invalid").removeprefix("Value error, ")
+        parts.append(f"{name}: {msg}")
+    return InvalidRequest("; ".join(parts) or "invalid request", param=first)
+
+
+def check_limits(req: GenerationParams, limits: Limits, prompts: list[str]) -> None:
+    """Bounds that depend on the deployment; static ones are pydantic constraints."""
+    for side in ("width", "height"):
+        v = getattr(req, side)
+        if v is not None and v > limits.max_side:
+            raise InvalidRequest(f"{side}: {v} is above the maximum {limits.max_side}", param=side)
+    if req.width is not None and req.height is not None and req.width * req.height > limits.max_pixels:
+        raise InvalidRequest(
+            f"size: {req.width}x{req.height} is {req.width * req.height} pixels, above the maximum "
+            f"{limits.max_pixels}",
+            param="size",
+        )
+    if req.num_inference_steps is not None and req.num_inference_steps > limits.max_steps:
+        raise InvalidRequest(
+            f"num_inference_steps: {req.num_inference_steps} is outside 1..{limits.max_steps}",
+            param="num_inference_steps",
+        )
+    if req.num_images > limits.max_images:
+        raise InvalidRequest(f"n (num_images): {req.num_images} is outside 1..{limits.max_images}", param="n")
+    if req.guidance_scale is not None and req.guidance_scale > limits.max_guidance_scale:
+        raise InvalidRequest(
+            f"guidance_scale: {req.guidance_scale} is outside 0..{limits.max_guidance_scale}",
+            param="guidance_scale",
+        )
+    if len(prompts) > limits.max_prompts:
+        raise InvalidRequest(f"prompts: {len(prompts)} prompts, the maximum is {limits.max_prompts}", param="prompts")
+    for p in prompts:
+        if len(p) > limits.max_prompt_chars:
+            raise InvalidRequest(
+                f"prompt: {len(p)} characters, the maximum is {limits.max_prompt_chars}", param="prompt"
+            )
+
+
+def _unwrap(e: BaseException) -> BaseException:
+    """A `ServingError` raised in a replica reaches us wrapped in a RayTaskError."""
+    if isinstance(e, RayTaskError) and isinstance(e.cause, ServingError):
+        return e.cause
+    return e
+
+
+@serve.deployment(name="DiffusionIngress")
+@serve.ingress(app)
+class DiffusionIngress:
+    # No `from __future__ import annotations` in this module: FastAPI must see the real
+    # body types of the routes of a class-based Serve ingress.
+
+    def __init__(self, replica: DeploymentHandle, config: dict[str, Any]):
+        self.cfg = AppConfig.model_validate(config)
+        self.replica = replica
+        self._model_info: dict[str, Any] | None = None
+        self._rng = random.SystemRandom()
+
+    # ------------------------------------------------------------------ Python API (handle callers)
+
+    async def generate(self, request: GenerationRequest | dict[str, Any]) -> GenerationResult:
+        """One prompt. Raises a `ServingError` subclass on any failure."""
+        if isinstance(request, dict):
+            request = _validated(GenerationRequest, request)
+        return await self._submit(request)
+
+    async def generate_batch(self, request: BatchGenerationRequest | dict[str, Any]) -> GenerationResult:
+        """Several prompts, one parameter set, one engine call, one merged result."""
+        if isinstance(request, dict):
+            request = _validated(BatchGenerationRequest, request)
+        return await self._submit(request)
+
+    async def models(self) -> ModelList:
+        info = await self._describe()
+        card = ModelCard(
+            id=info["model"],
+            created=int(time.time()),
+            source=info["source"],
+            default_height=info["default_height"],
+            default_width=info["default_width"],
+            default_steps=info["default_steps"],
+        )
+        return ModelList(data=[card])
+
+    async def _submit(self, request: GenerationRequest | BatchGenerationRequest) -> GenerationResult:
+        check_limits(request, self.cfg.limits, request.prompts)
+        request = request.model_copy(
+            update={
+                "request_id": request.request_id or new_request_id(),
+                "seed": request.seed if request.seed is not None else self._rng.randrange(MAX_SEED),
+            }
+        )
+        rid = request.request_id
+        response = self.replica.generate.remote(request)
+        try:
+            return await asyncio.wait_for(response, timeout=self.cfg.ingress.request_timeout_s)
+        except TimeoutError:
+            response.cancel()
+            raise DeadlineExceeded(
+                f"no result within {self.cfg.ingress.request_timeout_s:g}s", request_id=rid
+            ) from None
+        except asyncio.CancelledError:
+            response.cancel()  # the caller went away: stop the work on the replica too
+            raise
+        except RayError as e:
+            cause = _unwrap(e)
+            if isinstance(cause, ServingError):
+                raise cause from None
+            logger.warning("request %s: replica call failed: %s", rid, e)
+            raise Unavailable(f"replica unavailable: {type(e).__name__}", request_id=rid) from None
+
+    async def _describe(self) -> dict[str, Any]:
+        if self._model_info is None:
+            self._model_info = await self.replica.describe.remote()
+        return self._model_info
+
+    # ------------------------------------------------------------------ HTTP API
+
+    @app.post("/v1/images/generations", response_model=ImagesResponse, responses=_ERRORS)
+    async def images_generations(self, body: ImagesGenerationRequest) -> JSONResponse:
+        return await self._http_generate(body, body.to_generation_request)
+
+    @app.post("/v1/images/generations/batch", response_model=ImagesResponse, responses=_ERRORS)
+    async def images_generations_batch(self, body: ImagesBatchRequest) -> JSONResponse:
+        return await self._http_generate(body, body.to_generation_request)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def list_models(self) -> ModelList:
+        return await self.models()
+
+    @app.get("/health")
+    async def health(self) -> dict[str, str]:
+        return {"status": "ok"}
+
+    async def _http_generate(self, body, to_request) -> JSONResponse:
+        served = self.cfg.model.served_name
+        if body.model is not None and body.model != served:
+            raise NotFound(f"model: {body.model!r} is not served here; available: {served!r}", param="model")
+        try:
+            request = to_request()
+        except ValueError as e:  # pydantic ValidationError is a ValueError
+            raise validation_to_error(e.errors()) from None
+        result = await self._submit(request)
+        fmt = result.output_format
+        data = []
+        for img, seed, idx in zip(result.images, result.seeds, result.prompt_index, strict=True):
+            b64 = base64.b64encode(img).decode("ascii")
+            item = {"url": f"data:image/{fmt};base64,{b64}"} if body.response_format == "url" else {"b64_json": b64}
+            data.append(ImageData(seed=seed, prompt_index=idx, **item))
+        resp = ImagesResponse(
+            created=result.created,
+            data=data,
+            model=result.model,
+            request_id=result.request_id,
+            output_format=fmt,
+            metrics=result.metrics,
+            peak_memory_mb=result.peak_memory_mb,
+            peak_memory_kind=result.peak_memory_kind,
+            latents=result.latents,
+            trajectory=result.trajectory,
+        )
+        return JSONResponse(
+            resp.model_dump(mode="json", exclude_none=True), headers={"X-Request-Id": result.request_id}
+        )
+
+
+def _validated(model, data: dict[str, Any]):
+    try:
+        return model.model_validate(data)
+    except ValueError as e:
+        raise validation_to_error(e.errors()) from None

@@ -1,0 +1,335 @@
+"""The wire format: every request and result that crosses a process boundary.
+
+Two families live here:
+
+* the Python API (`GenerationRequest`, `BatchGenerationRequest`, `GenerationResult`), used by
+  handle callers and passed from the ingress to the replicas;
+* the HTTP API, compatible with the OpenAI Images API (`ImagesGenerationRequest`,
+  `ImagesResponse`), whose extension fields are grouped and marked below.
+
+Static checks (types, ranges that never change) are pydantic constraints; bounds that depend
+on the deployment (max pixels, max steps, ...) are checked by the ingress against `Limits`.
+"""
+
+from __future__ import annotations
+
+import io
+import re
+import time
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+
+OutputFormat = Literal["png", "jpeg", "webp"]
+MAX_SEED = 2**62
+_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+# Pipeline call arguments the engine sets itself; `extra` may not override them.
+RESERVED_EXTRA_KEYS = frozenset(
+    {
+        "prompt", "prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negative_prompt_3",
+        "height", "width", "num_inference_steps", "guidance_scale", "generator", "num_images_per_prompt",
+        "output_type", "return_dict", "callback_on_step_end", "callback_on_step_end_tensor_inputs",
+        "callback", "callback_steps", "latents", "prompt_embeds", "negative_prompt_embeds",
+        "pooled_prompt_embeds", "negative_pooled_prompt_embeds",
+    }
+)  # fmt: skip
+
+
+def new_request_id() -> str:
+    return "img-" + uuid.uuid4().hex[:24]
+
+
+def _check_request_id(v: str | None) -> str | None:
+    if v is not None and not _REQUEST_ID.match(v):
+        raise ValueError("must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
+    return v
+
+
+def _check_prompt(v: str) -> str:
+    if not v.strip():
+        raise ValueError("must not be empty")
+    return v
+
+
+def _check_extra(v: dict[str, Any]) -> dict[str, Any]:
+    bad = sorted(RESERVED_EXTRA_KEYS.intersection(v))
+    if bad:
+        raise ValueError(f"may not set {', '.join(bad)}: use the request's own fields")
+    return v
+
+
+def _check_prompts(v: list[str]) -> list[str]:
+    for i, p in enumerate(v):
+        if not p.strip():
+            raise ValueError(f"prompt {i} must not be empty")
+    return v
+
+
+Prompt = Annotated[str, AfterValidator(_check_prompt)]
+Prompts = Annotated[list[str], Field(min_length=1), AfterValidator(_check_prompts)]
+RequestId = Annotated[str | None, AfterValidator(_check_request_id)]
+Extra = Annotated[dict[str, Any], AfterValidator(_check_extra)]
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="forbid", ser_json_bytes="base64", val_json_bytes="base64")
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+class TensorPayload(_Wire):
+    """A tensor as raw little-endian bytes, so it travels as JSON (base64) or through Ray."""
+
+    shape: list[int]
+    dtype: str
+    data: bytes
+
+    @classmethod
+    def from_tensor(cls, t: Any) -> TensorPayload:
+        arr = t.detach().to("cpu").float().contiguous().numpy()
+        return cls(shape=list(arr.shape), dtype=str(arr.dtype), data=arr.tobytes())
+
+    def to_numpy(self):
+        import numpy as np
+
+        return np.frombuffer(self.data, dtype=self.dtype).reshape(self.shape)
+
+    def to_torch(self):
+        import torch
+
+        return torch.from_numpy(self.to_numpy().copy())
+
+
+class Trajectory(_Wire):
+    """Latents after every denoising step, with the timestep of each."""
+
+    timesteps: list[float]
+    latents: list[TensorPayload]
+
+
+# --------------------------------------------------------------------------- Python API
+
+
+class GenerationParams(_Wire):
+    """Sampling parameters shared by every prompt of one request (the seed's sampling params)."""
+
+    negative_prompt: str | None = None
+    height: int | None = Field(None, ge=8, multiple_of=8, description="Pixels; default: the model's.")
+    width: int | None = Field(None, ge=8, multiple_of=8, description="Pixels; default: the model's.")
+    num_inference_steps: int | None = Field(None, ge=1, description="Default: the model's.")
+    guidance_scale: float | None = Field(None, ge=0, description="Default: the model's.")
+    seed: int | None = Field(
+        None, ge=0, le=MAX_SEED, description="Image k of each prompt uses seed + k; default: random."
+    )
+    num_images: int = Field(1, ge=1, description="Images per prompt (OpenAI `n`).")
+    output_format: OutputFormat = "png"
+    return_latents: bool = False
+    return_trajectory: bool = False
+    request_id: RequestId = None
+    extra: Extra = Field(default_factory=dict, description="More keyword arguments for the pipeline call.")
+
+
+
+class GenerationRequest(GenerationParams):
+    """One prompt; `num_images` images of it."""
+
+    prompt: Prompt
+
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt]
+
+
+class BatchGenerationRequest(GenerationParams):
+    """Several prompts, one parameter set, one engine call, one merged result."""
+
+    prompts: Prompts
+
+
+class StageMetrics(_Wire):
+    """Where the time of one request went, in milliseconds."""
+
+    queue_ms: float = 0.0
+    text_encode_ms: float = 0.0
+    denoise_ms: float = 0.0
+    vae_decode_ms: float = 0.0
+    image_encode_ms: float = 0.0
+    total_ms: float = 0.0
+    batch_images: int = Field(0, description="Images in the pipeline call this request ran in.")
+    steps: int = 0
+
+
+class GenerationResult(_Wire):
+    """The seed's OmniRequestOutput: images of every prompt of the request, in prompt order."""
+
+    request_id: str
+    model: str
+    created: int = Field(default_factory=lambda: int(time.time()))
+    images: list[bytes] = Field(description="Encoded images (`output_format`).")
+    output_format: OutputFormat = "png"
+    seeds: list[int] = Field(description="The seed of each image.")
+    prompt_index: list[int] = Field(description="Which prompt of the request each image belongs to.")
+    metrics: StageMetrics
+    peak_memory_mb: float = Field(description="Peak device memory (CUDA) or peak RSS growth (CPU).")
+    peak_memory_kind: Literal["cuda", "cpu_rss"] = "cpu_rss"
+    latents: TensorPayload | None = None
+    trajectory: Trajectory | None = None
+    final_output_type: str = "image"
+
+    def pil_images(self) -> list[Any]:
+        from PIL import Image
+
+        return [Image.open(io.BytesIO(b)) for b in self.images]
+
+
+# --------------------------------------------------------------------------- HTTP API (OpenAI Images)
+
+
+def parse_size(size: str) -> tuple[int, int]:
+    """`"512x768"` -> (width=512, height=768)."""
+    m = re.fullmatch(r"\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*", size)
+    if not m:
+        raise ValueError("must look like 'WIDTHxHEIGHT', e.g. '512x512', or be 'auto'")
+    return int(m.group(1)), int(m.group(2))
+
+
+class _ImagesCommon(_Wire):
+    # OpenAI fields
+    model: str | None = None
+    n: int = Field(1, ge=1, description="Images per prompt.")
+    size: str | None = Field(None, description="'WIDTHxHEIGHT' or 'auto'.")
+    response_format: Literal["b64_json", "url"] = Field(
+        "b64_json", description="'url' answers with a data: URL, since nothing is stored server-side."
+    )
+    # OpenAI fields accepted for compatibility and ignored by diffusion models
+    quality: str | None = None
+    style: str | None = None
+    user: str | None = None
+    background: str | None = None
+    moderation: str | None = None
+    output_compression: int | None = Field(None, ge=0, le=100)
+
+    # Extensions (this server's sampling parameters)
+    negative_prompt: str | None = None
+    height: int | None = Field(None, ge=8, multiple_of=8)
+    width: int | None = Field(None, ge=8, multiple_of=8)
+    num_inference_steps: int | None = Field(None, ge=1)
+    guidance_scale: float | None = Field(None, ge=0)
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    output_format: OutputFormat = "png"
+    return_latents: bool = False
+    return_trajectory: bool = False
+    request_id: RequestId = None
+    extra: Extra = Field(default_factory=dict)
+
+
+    @field_validator("size")
+    @classmethod
+    def _size_form(cls, v: str | None) -> str | None:
+        if v is not None and v != "auto":
+            parse_size(v)
+        return v
+
+    @model_validator(mode="after")
+    def _size_agrees(self):
+        if self.size and self.size != "auto":
+            w, h = parse_size(self.size)
+            if (self.width is not None and self.width != w) or (self.height is not None and self.height != h):
+                raise ValueError("size disagrees with width/height: give one or the other")
+        return self
+
+    def _params(self) -> dict[str, Any]:
+        width, height = self.width, self.height
+        if self.size and self.size != "auto":
+            width, height = parse_size(self.size)
+        return dict(
+            negative_prompt=self.negative_prompt,
+            height=height,
+            width=width,
+            num_inference_steps=self.num_inference_steps,
+            guidance_scale=self.guidance_scale,
+            seed=self.seed,
+            num_images=self.n,
+            output_format=self.output_format,
+            return_latents=self.return_latents,
+            return_trajectory=self.return_trajectory,
+            request_id=self.request_id,
+            extra=self.extra,
+        )
+
+
+class ImagesGenerationRequest(_ImagesCommon):
+    """Body of `POST /v1/images/generations`."""
+
+    prompt: Prompt
+
+
+    def to_generation_request(self) -> GenerationRequest:
+        """Build the Python API request; its validators run again on the mapped fields."""
+        return GenerationRequest(prompt=self.prompt, **self._params())
+
+
+class ImagesBatchRequest(_ImagesCommon):
+    """Body of `POST /v1/images/generations/batch`: several prompts, one parameter set."""
+
+    prompts: Prompts
+
+
+    def to_generation_request(self) -> BatchGenerationRequest:
+        return BatchGenerationRequest(prompts=self.prompts, **self._params())
+
+
+class ImageData(BaseModel):
+    b64_json: str | None = None
+    url: str | None = None
+    revised_prompt: str | None = None
+    # Extensions
+    seed: int
+    prompt_index: int
+
+
+class ImagesResponse(BaseModel):
+    created: int
+    data: list[ImageData]
+    # Extensions
+    model: str
+    request_id: str
+    output_format: OutputFormat
+    metrics: StageMetrics
+    peak_memory_mb: float
+    peak_memory_kind: str
+    latents: TensorPayload | None = None
+    trajectory: Trajectory | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "diffusion-serve"
+    # Extensions
+    source: str
+    default_height: int
+    default_width: int
+    default_steps: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+    request_id: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
