@@ -11,8 +11,8 @@ from typing import Any
 from ray.serve import Application
 
 from serve_app.config import AppConfig
-from serve_app.engine.engine import scheduler_class
-from serve_app.ingress import DiffusionIngress
+from serve_app.engine.engine import engine_class, scheduler_class
+from serve_app.ingress import DiffusionIngressDeployment
 from serve_app.replica import DiffusionReplicaDeployment
 
 
@@ -20,6 +20,8 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     cfg = args if isinstance(args, AppConfig) else AppConfig.from_args(args)
     if cfg.model.scheduler:
         scheduler_class(cfg.model.scheduler)
+    if cfg.model.engine_extension:
+        engine_class(cfg.model.engine_extension)
     r = cfg.replica
     replica = DiffusionReplicaDeployment.options(
         num_replicas=r.num_replicas,
@@ -32,7 +34,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         max_constructor_retry_count=r.max_constructor_retry_count,
     ).bind(cfg.model.model_dump(), r.max_consecutive_failures)
     ing = cfg.ingress
-    return DiffusionIngress.options(
+    return DiffusionIngressDeployment.options(
         num_replicas=ing.num_replicas,
         ray_actor_options={"num_cpus": ing.num_cpus},
         max_ongoing_requests=ing.max_ongoing_requests,

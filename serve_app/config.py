@@ -7,6 +7,7 @@ the ingress can read the same models without loading a model stack.
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -49,6 +50,18 @@ class ModelConfig(_Strict):
         "in actors, which halves the speed of a CPU replica.",
     )
     local_files_only: bool = False
+    engine_extension: str | None = Field(
+        None,
+        description="`module:Class` of a mixin whose methods are mixed into the engine (a worker "
+        "extension); serve_app.testing:FaultInjection is the one the tests use to inject faults.",
+    )
+
+    @field_validator("engine_extension")
+    @classmethod
+    def _import_path(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"[\w.]+:[\w]+", v):
+            raise ValueError("must be an import path 'package.module:ClassName'")
+        return v
 
     @field_validator("source")
     @classmethod
@@ -125,7 +138,9 @@ class AppConfig(_Strict):
             if v is not None and v > lim.max_side:
                 raise ValueError(f"model.{side}={v} exceeds limits.max_side={lim.max_side}")
         if m.default_steps > lim.max_steps:
-            raise ValueError(f"model.default_steps={m.default_steps} exceeds limits.max_steps={lim.max_steps}")
+            raise ValueError(
+                f"model.default_steps={m.default_steps} exceeds limits.max_steps={lim.max_steps}"
+            )
         if m.device == "cpu" and m.dtype == "float16":
             raise ValueError("model.dtype=float16 is not supported on CPU; use float32 or bfloat16")
         return self

@@ -6,7 +6,6 @@ through a `DeploymentHandle`, and turns every failure into one `ServingError`. N
 and no torch here.
 """
 
-
 import asyncio
 import base64
 import logging
@@ -25,6 +24,7 @@ from serve_app.config import AppConfig, Limits
 from serve_app.errors import DeadlineExceeded, InvalidRequest, NotFound, ServingError, Unavailable
 from serve_app.schemas import (
     MAX_SEED,
+    REQUEST_ID_PATTERN,
     BatchGenerationRequest,
     ErrorResponse,
     GenerationParams,
@@ -52,8 +52,7 @@ _ERRORS = {400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 500: {"
 
 @app.exception_handler(ServingError)
 async def _serving_error(request: Request, exc: ServingError) -> JSONResponse:
-    headers = {"X-Request-Id": exc.request_id} if exc.request_id else None
-    return JSONResponse(exc.to_body(), status_code=exc.status_code, headers=headers)
+    return JSONResponse(exc.to_body(), status_code=exc.status_code)
 
 
 @app.exception_handler(RequestValidationError)
@@ -98,7 +97,9 @@ def check_limits(req: GenerationParams, limits: Limits, prompts: list[str]) -> N
             param="guidance_scale",
         )
     if len(prompts) > limits.max_prompts:
-        raise InvalidRequest(f"prompts: {len(prompts)} prompts, the maximum is {limits.max_prompts}", param="prompts")
+        raise InvalidRequest(
+            f"prompts: {len(prompts)} prompts, the maximum is {limits.max_prompts}", param="prompts"
+        )
     for p in prompts:
         if len(p) > limits.max_prompt_chars:
             raise InvalidRequest(
@@ -113,8 +114,6 @@ def _unwrap(e: BaseException) -> BaseException:
     return e
 
 
-@serve.deployment(name="DiffusionIngress")
-@serve.ingress(app)
 class DiffusionIngress:
     # No `from __future__ import annotations` in this module: FastAPI must see the real
     # body types of the routes of a class-based Serve ingress.
@@ -155,7 +154,7 @@ class DiffusionIngress:
         check_limits(request, self.cfg.limits, request.prompts)
         request = request.model_copy(
             update={
-                "request_id": request.request_id or new_request_id(),
+                "request_id": request.request_id or _request_id(),
                 "seed": request.seed if request.seed is not None else self._rng.randrange(MAX_SEED),
             }
         )
@@ -214,7 +213,11 @@ class DiffusionIngress:
         data = []
         for img, seed, idx in zip(result.images, result.seeds, result.prompt_index, strict=True):
             b64 = base64.b64encode(img).decode("ascii")
-            item = {"url": f"data:image/{fmt};base64,{b64}"} if body.response_format == "url" else {"b64_json": b64}
+            item = (
+                {"url": f"data:image/{fmt};base64,{b64}"}
+                if body.response_format == "url"
+                else {"b64_json": b64}
+            )
             data.append(ImageData(seed=seed, prompt_index=idx, **item))
         resp = ImagesResponse(
             created=result.created,
@@ -228,9 +231,18 @@ class DiffusionIngress:
             latents=result.latents,
             trajectory=result.trajectory,
         )
-        return JSONResponse(
-            resp.model_dump(mode="json", exclude_none=True), headers={"X-Request-Id": result.request_id}
-        )
+        # Serve's proxy sets the X-Request-Id response header to its own request id, which is
+        # ours unless the body chose another one (see _request_id).
+        return JSONResponse(resp.model_dump(mode="json", exclude_none=True))
+
+
+def _request_id() -> str:
+    """Serve's id of the current request: the client's X-Request-Id header when it sent one.
+
+    Using it makes our id, Serve's access logs and the response header agree.
+    """
+    rid = serve.context._get_serve_request_context().request_id
+    return rid if rid and REQUEST_ID_PATTERN.match(rid) else new_request_id()
 
 
 def _validated(model, data: dict[str, Any]):
@@ -238,3 +250,8 @@ def _validated(model, data: dict[str, Any]):
         return model.model_validate(data)
     except ValueError as e:
         raise validation_to_error(e.errors()) from None
+
+
+# The class stays importable under its own name, so Ray pickles it by reference and the
+# replica imports this module as it is (not a by-value copy of the class).
+DiffusionIngressDeployment = serve.deployment(serve.ingress(app)(DiffusionIngress), name="DiffusionIngress")

@@ -20,7 +20,8 @@ import torch
 from ray import serve
 
 from serve_app.config import ModelConfig
-from serve_app.engine import CallParams, DiffusionEngine, EngineOutput, Row, encode_images
+from serve_app.engine import CallParams, EngineOutput, Row, encode_images
+from serve_app.engine.engine import engine_class
 from serve_app.errors import EngineFailure, InvalidRequest, OutOfMemory, ServingError, Unavailable
 from serve_app.schemas import (
     BatchGenerationRequest,
@@ -49,7 +50,7 @@ class DiffusionReplica:
         self.cfg = ModelConfig.model_validate(model)
         # Loading and warm-up happen here: a replica takes traffic only once it can serve it,
         # and a model that cannot load fails the deployment with the engine's message.
-        self.engine = DiffusionEngine(self.cfg)
+        self.engine = engine_class(self.cfg.engine_extension)(self.cfg)
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         self._cpu_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="encode")
         self._queue: deque[_Job] = deque()
@@ -90,7 +91,9 @@ class DiffusionReplica:
             width=request.width or self.engine.default_width,
             steps=request.num_inference_steps or self.cfg.default_steps,
             guidance_scale=(
-                request.guidance_scale if request.guidance_scale is not None else self.cfg.default_guidance_scale
+                request.guidance_scale
+                if request.guidance_scale is not None
+                else self.cfg.default_guidance_scale
             ),
             extra=tuple(sorted(request.extra.items())),
             return_latents=request.return_latents,
@@ -98,7 +101,9 @@ class DiffusionReplica:
         )
         return _Job(request, rows, params, asyncio.get_running_loop().create_future())
 
-    def _result(self, job: _Job, out: EngineOutput, images: list[bytes], encode_ms: float) -> GenerationResult:
+    def _result(
+        self, job: _Job, out: EngineOutput, images: list[bytes], encode_ms: float
+    ) -> GenerationResult:
         req = job.request
         n = req.num_images
         t = out.timings_ms
@@ -204,7 +209,9 @@ class DiffusionReplica:
         """Raise when the engine is broken beyond one request, so that Serve replaces us."""
         task = self._loop_task
         if task is not None and task.done():
-            raise Unavailable(f"engine loop stopped: {task.exception() if not task.cancelled() else 'cancelled'}")
+            raise Unavailable(
+                f"engine loop stopped: {task.exception() if not task.cancelled() else 'cancelled'}"
+            )
         if self._consecutive_failures >= self._max_failures:
             raise Unavailable(f"{self._consecutive_failures} engine failures in a row")
 

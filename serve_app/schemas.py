@@ -13,17 +13,28 @@ on the deployment (max pixels, max steps, ...) are checked by the ingress agains
 
 from __future__ import annotations
 
+import base64
 import io
 import re
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    field_validator,
+)
+
+from serve_app.errors import InvalidRequest
 
 OutputFormat = Literal["png", "jpeg", "webp"]
 MAX_SEED = 2**62
-_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
 # Pipeline call arguments the engine sets itself; `extra` may not override them.
 RESERVED_EXTRA_KEYS = frozenset(
@@ -42,7 +53,7 @@ def new_request_id() -> str:
 
 
 def _check_request_id(v: str | None) -> str | None:
-    if v is not None and not _REQUEST_ID.match(v):
+    if v is not None and not REQUEST_ID_PATTERN.match(v):
         raise ValueError("must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
     return v
 
@@ -67,6 +78,16 @@ def _check_prompts(v: list[str]) -> list[str]:
     return v
 
 
+def _b64decode(v: Any) -> Any:
+    return base64.b64decode(v, validate=True) if isinstance(v, str) else v
+
+
+# Bytes that travel as standard, padded base64 in JSON (pydantic's own choice is URL-safe).
+B64Bytes = Annotated[
+    bytes,
+    BeforeValidator(_b64decode),
+    PlainSerializer(lambda b: base64.b64encode(b).decode("ascii"), return_type=str, when_used="json"),
+]
 Prompt = Annotated[str, AfterValidator(_check_prompt)]
 Prompts = Annotated[list[str], Field(min_length=1), AfterValidator(_check_prompts)]
 RequestId = Annotated[str | None, AfterValidator(_check_request_id)]
@@ -74,7 +95,7 @@ Extra = Annotated[dict[str, Any], AfterValidator(_check_extra)]
 
 
 class _Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid", ser_json_bytes="base64", val_json_bytes="base64")
+    model_config = ConfigDict(extra="forbid")
 
 
 # --------------------------------------------------------------------------- tensors
@@ -85,7 +106,7 @@ class TensorPayload(_Wire):
 
     shape: list[int]
     dtype: str
-    data: bytes
+    data: B64Bytes
 
     @classmethod
     def from_tensor(cls, t: Any) -> TensorPayload:
@@ -132,12 +153,10 @@ class GenerationParams(_Wire):
     extra: Extra = Field(default_factory=dict, description="More keyword arguments for the pipeline call.")
 
 
-
 class GenerationRequest(GenerationParams):
     """One prompt; `num_images` images of it."""
 
     prompt: Prompt
-
 
     @property
     def prompts(self) -> list[str]:
@@ -169,7 +188,7 @@ class GenerationResult(_Wire):
     request_id: str
     model: str
     created: int = Field(default_factory=lambda: int(time.time()))
-    images: list[bytes] = Field(description="Encoded images (`output_format`).")
+    images: list[B64Bytes] = Field(description="Encoded images (`output_format`).")
     output_format: OutputFormat = "png"
     seeds: list[int] = Field(description="The seed of each image.")
     prompt_index: list[int] = Field(description="Which prompt of the request each image belongs to.")
@@ -226,7 +245,6 @@ class _ImagesCommon(_Wire):
     request_id: RequestId = None
     extra: Extra = Field(default_factory=dict)
 
-
     @field_validator("size")
     @classmethod
     def _size_form(cls, v: str | None) -> str | None:
@@ -234,18 +252,15 @@ class _ImagesCommon(_Wire):
             parse_size(v)
         return v
 
-    @model_validator(mode="after")
-    def _size_agrees(self):
-        if self.size and self.size != "auto":
-            w, h = parse_size(self.size)
-            if (self.width is not None and self.width != w) or (self.height is not None and self.height != h):
-                raise ValueError("size disagrees with width/height: give one or the other")
-        return self
-
     def _params(self) -> dict[str, Any]:
         width, height = self.width, self.height
         if self.size and self.size != "auto":
-            width, height = parse_size(self.size)
+            w, h = parse_size(self.size)
+            if (width is not None and width != w) or (height is not None and height != h):
+                raise InvalidRequest(
+                    f"size: {self.size} disagrees with width/height; give one or the other", param="size"
+                )
+            width, height = w, h
         return dict(
             negative_prompt=self.negative_prompt,
             height=height,
@@ -267,7 +282,6 @@ class ImagesGenerationRequest(_ImagesCommon):
 
     prompt: Prompt
 
-
     def to_generation_request(self) -> GenerationRequest:
         """Build the Python API request; its validators run again on the mapped fields."""
         return GenerationRequest(prompt=self.prompt, **self._params())
@@ -277,7 +291,6 @@ class ImagesBatchRequest(_ImagesCommon):
     """Body of `POST /v1/images/generations/batch`: several prompts, one parameter set."""
 
     prompts: Prompts
-
 
     def to_generation_request(self) -> BatchGenerationRequest:
         return BatchGenerationRequest(prompts=self.prompts, **self._params())

@@ -8,6 +8,7 @@ requests share a call; the engine only runs it and says where the time went.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import io
 import logging
@@ -119,7 +120,7 @@ def load_pipeline(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
     try:
         pipe = DiffusionPipeline.from_pretrained(
             src,
-            torch_dtype=dtype,
+            dtype=dtype,
             revision=cfg.revision,
             variant=cfg.variant,
             local_files_only=cfg.local_files_only,
@@ -192,6 +193,18 @@ def _proc_status_kb(key: str) -> int:
     except OSError:
         pass
     return 0
+
+
+def engine_class(extension: str | None) -> type[DiffusionEngine]:
+    """`DiffusionEngine`, or a subclass with the `module:Class` mixin in front of it."""
+    if not extension:
+        return DiffusionEngine
+    module, _, name = extension.partition(":")
+    try:
+        mixin = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"model.engine_extension: cannot import {extension!r}: {e}") from None
+    return type(f"{name}Engine", (mixin, DiffusionEngine), {})
 
 
 class DiffusionEngine:

@@ -1,0 +1,24 @@
+"""Helpers for tests and demos that ship with the package (replicas must be able to import them)."""
+
+from __future__ import annotations
+
+import torch
+
+OOM_MARKER = "[[inject-oom]]"
+FAIL_MARKER = "[[inject-failure]]"
+
+
+class FaultInjection:
+    """Engine extension: a prompt that carries a marker makes the engine raise that fault.
+
+    Use with `model.engine_extension: serve_app.testing:FaultInjection`. Only the fault is fake;
+    every other request runs the real pipeline.
+    """
+
+    def run(self, rows, params, step_hook=None):
+        for row in rows:
+            if OOM_MARKER in row.prompt:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
+            if FAIL_MARKER in row.prompt:
+                raise RuntimeError("injected engine failure")
+        return super().run(rows, params, step_hook)

@@ -1,0 +1,84 @@
+"""Shared fixtures: one Ray instance and one Serve app for the whole session.
+
+A cold `ray.init` plus `serve.run` costs 10-15 s on the 2-core machines, so every test that
+needs the serving stack shares the `app` fixture; tests that need a different deployment
+add it under its own name and route prefix and delete it when done.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import httpx  # noqa: E402
+import pytest  # noqa: E402
+
+APP_NAME = "diffusion-test"
+
+# The configuration the shared test app runs: the embedded model at test-friendly sizes.
+TEST_ARGS = {
+    "model": {
+        "source": "builtin:tiny-sd",
+        "device": "cpu",
+        "default_height": 32,
+        "default_width": 32,
+        "default_steps": 3,
+        "warmup_steps": 1,
+        "engine_extension": "serve_app.testing:FaultInjection",
+    },
+    "limits": {"max_pixels": 128 * 128, "max_side": 128, "max_steps": 50, "max_images": 4, "max_prompts": 6},
+    "replica": {"num_replicas": 1, "num_cpus": 0, "health_check_period_s": 2, "health_check_timeout_s": 30},
+    "ingress": {"num_cpus": 0, "request_timeout_s": 120},
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+    from ray import serve
+
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    port = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    yield f"http://127.0.0.1:{port}"
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def app(ray_cluster):
+    """The shared app; yields its base URL."""
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    serve.run(build_app(TEST_ARGS), name=APP_NAME, route_prefix="/")
+    return ray_cluster
+
+
+@pytest.fixture(scope="session")
+def base_url(app) -> str:
+    return app
+
+
+@pytest.fixture(scope="session")
+def client(base_url):
+    with httpx.Client(base_url=base_url, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="session")
+def handle(app):
+    from ray import serve
+
+    return serve.get_app_handle(APP_NAME)

@@ -1,0 +1,85 @@
+"""Building and deploying: config validation at build time, model load failures, presets."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from pydantic import ValidationError
+
+from serve_app.app import build_app
+from serve_app.config import AppConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG_FILES = [ROOT / "serve_config.yaml", *sorted((ROOT / "configs").glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("path", CONFIG_FILES, ids=lambda p: p.name)
+def test_every_shipped_config_builds(path):
+    cfg = yaml.safe_load(path.read_text())
+    (app_cfg,) = cfg["applications"]
+    assert app_cfg["import_path"] == "serve_app.app:build_app"
+    parsed = AppConfig.from_args(app_cfg["args"])
+    build_app(app_cfg["args"])
+    if path.parent.name == "configs":
+        assert parsed.replica.num_gpus == 1 and parsed.model.device == "cuda"
+    else:
+        assert parsed.model.source == "builtin:tiny-sd" and parsed.replica.num_gpus == 0
+
+
+def test_presets_cover_the_model_families():
+    sources = {AppConfig.from_args(yaml.safe_load(p.read_text())["applications"][0]["args"]).model.source
+               for p in CONFIG_FILES[1:]}  # fmt: skip
+    for family in (
+        "stable-diffusion-v1-5",
+        "stable-diffusion-xl",
+        "stable-diffusion-3",
+        "FLUX",
+        "builtin:sd15-arch",
+    ):
+        assert any(family in s for s in sources), family
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        ({"model": {"source": "builtin:nope"}}, "unknown builtin model 'builtin:nope'"),
+        ({"model": {"dtype": "fp8"}}, "model.dtype"),
+        ({"model": {"scheduler": "NotAScheduler"}}, "model.scheduler: 'NotAScheduler' is not a diffusers"),
+        ({"model": {"engine_extension": "no colon"}}, "model.engine_extension"),
+        ({"model": {"engine_extension": "serve_app.nope:X"}}, "cannot import"),
+        ({"model": {"device": "cpu", "dtype": "float16"}}, "float16 is not supported on CPU"),
+        ({"model": {"default_steps": 500}}, "exceeds limits.max_steps"),
+        ({"limits": {"max_steps": 0}}, "limits.max_steps"),
+        ({"replica": {"num_replicas": 0}}, "replica.num_replicas"),
+        ({"replica": {"typo": 1}}, "replica.typo"),
+    ],
+)
+def test_bad_config_fails_at_build_time(args, message):
+    with pytest.raises((ValidationError, ValueError)) as info:
+        build_app(args)
+    assert message in str(info.value)
+
+
+def test_model_that_cannot_load_fails_the_deployment_fast_with_its_reason(ray_cluster):
+    from ray import serve
+
+    args = {
+        "model": {"source": "/nonexistent/diffusers-model", "device": "cpu"},
+        "replica": {"num_cpus": 0, "max_constructor_retry_count": 1},
+        "ingress": {"num_cpus": 0},
+    }
+    t = time.perf_counter()
+    with pytest.raises(RuntimeError) as info:
+        serve.run(build_app(args), name="broken", route_prefix="/broken")
+    elapsed = time.perf_counter() - t
+    try:
+        assert "broken" in str(info.value)
+        status = serve.status().applications["broken"]
+        assert status.status == "DEPLOY_FAILED"
+        assert "is not a directory" in status.deployments["DiffusionReplica"].message
+        assert elapsed < 60, f"took {elapsed:.0f}s to fail"
+    finally:
+        serve.delete("broken")
