@@ -47,7 +47,9 @@ def ray_cluster():
     import ray
     from ray import serve
 
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    ray.init(
+        address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, configure_logging=False
+    )
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"

@@ -1,0 +1,120 @@
+"""The README's way in: `serve deploy` and `serve run` of serve_config.yaml against `ray start --head`.
+
+A second Ray cluster, started by the CLI with its own ports beside the session's, so that
+the deployment goes through exactly the path a user takes.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from tests.conftest import free_port
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+
+def _wait_for_image(url: str, deadline_s: float) -> dict:
+    end = time.monotonic() + deadline_s
+    last = None
+    while time.monotonic() < end:
+        try:
+            r = httpx.post(
+                url + "/v1/images/generations", json={"prompt": "cli", "num_inference_steps": 2}, timeout=30
+            )
+            if r.status_code == 200:
+                return r.json()
+            last = f"{r.status_code} {r.text[:200]}"
+        except httpx.HTTPError as e:
+            last = repr(e)
+        time.sleep(1)
+    raise AssertionError(f"no image from {url} within {deadline_s}s: {last}")
+
+
+@pytest.fixture(scope="module")
+def cli_cluster(tmp_path_factory):
+    ports = {
+        k: free_port() for k in ("gcs", "dash", "agent", "agent_grpc", "metrics", "client", "env", "http")
+    }
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token")
+    head = subprocess.Popen(
+        [
+            str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2",
+            f"--port={ports['gcs']}", f"--dashboard-port={ports['dash']}", "--dashboard-host=127.0.0.1",
+            f"--dashboard-agent-listen-port={ports['agent']}",
+            f"--dashboard-agent-grpc-port={ports['agent_grpc']}",
+            f"--metrics-export-port={ports['metrics']}", f"--ray-client-server-port={ports['client']}",
+            f"--runtime-env-agent-port={ports['env']}",
+        ],
+        env=env, cwd=tmp_path_factory.mktemp("head"), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )  # fmt: skip
+    dash = f"http://127.0.0.1:{ports['dash']}"
+    end = time.monotonic() + 90
+    while time.monotonic() < end:
+        try:
+            if httpx.get(dash + "/api/version", timeout=2).status_code in (200, 401):
+                break
+        except httpx.HTTPError:
+            time.sleep(1)
+    else:
+        head.kill()
+        pytest.fail("ray start --head did not bring up its dashboard within 90 s")
+
+    cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+    cfg["http_options"] = {"host": "127.0.0.1", "port": ports["http"]}
+    config_file = tmp_path_factory.mktemp("cfg") / "serve_config.yaml"
+    config_file.write_text(yaml.safe_dump(cfg))
+    yield {"env": env, "dash": dash, "gcs": f"127.0.0.1:{ports['gcs']}", "config": config_file,
+           "url": f"http://127.0.0.1:{ports['http']}"}  # fmt: skip
+    os.killpg(head.pid, signal.SIGTERM)
+    try:
+        head.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(head.pid, signal.SIGKILL)
+
+
+def _serve(cli, *args, timeout=180):
+    return subprocess.run(
+        [str(BIN / "serve"), *args], env=cli["env"], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_serve_deploy_then_status_then_shutdown(cli_cluster):
+    cli = cli_cluster
+    r = _serve(cli, "deploy", str(cli["config"]), "-a", cli["dash"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    body = _wait_for_image(cli["url"], 180)
+    assert body["model"] == "tiny-sd" and len(body["data"]) == 1
+    status = _serve(cli, "status", "-a", cli["dash"])
+    assert status.returncode == 0 and "RUNNING" in status.stdout, status.stdout + status.stderr
+    r = _serve(cli, "shutdown", "-y", "-a", cli["dash"])
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_serve_run(cli_cluster):
+    cli = cli_cluster
+    proc = subprocess.Popen(
+        [str(BIN / "serve"), "run", "--address", cli["gcs"], str(cli["config"])],
+        env=cli["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        body = _wait_for_image(cli["url"], 180)
+        assert body["model"] == "tiny-sd"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
