@@ -1,6 +1,6 @@
 """Call the running app from Python through a Serve handle (start it with `serve run serve_config.yaml`).
 
-    python examples/client.py
+python examples/client.py
 """
 
 import ray
@@ -14,7 +14,9 @@ def main() -> None:
     ray.init(address="auto", log_to_driver=False)
     handle = serve.get_app_handle("diffusion")
 
-    result = handle.generate.remote(GenerationRequest(prompt="a red fox in the snow", seed=3, num_images=2)).result()
+    result = handle.generate.remote(
+        GenerationRequest(prompt="a red fox in the snow", seed=3, num_images=2)
+    ).result()
     for i, image in enumerate(result.pil_images()):
         image.save(f"fox-{i}.png")
     print(f"{result.request_id}: seeds {result.seeds}, denoise {result.metrics.denoise_ms:.0f} ms")

@@ -32,7 +32,8 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         health_check_timeout_s=r.health_check_timeout_s,
         graceful_shutdown_timeout_s=r.graceful_shutdown_timeout_s,
         max_constructor_retry_count=r.max_constructor_retry_count,
-    ).bind(cfg.model.model_dump(), r.max_consecutive_failures)
+        user_config=cfg.batching.model_dump(),
+    ).bind(cfg.model.model_dump(), cfg.batching.model_dump(), r.max_consecutive_failures)
     ing = cfg.ingress
     return DiffusionIngressDeployment.options(
         num_replicas=ing.num_replicas,

@@ -115,6 +115,19 @@ class ReplicaConfig(_Strict):
     )
 
 
+class BatchingConfig(_Strict):
+    """How a replica gathers queued requests into one pipeline call.
+
+    Sent to the replicas as Serve's `user_config`: changing it in the config and redeploying
+    reconfigures live replicas without restarting them.
+    """
+
+    max_batch_images: int = Field(8, ge=1, description="Upper bound on images in one pipeline call.")
+    batch_wait_ms: float = Field(
+        10.0, ge=0, description="How long the oldest queued request may wait for others to join its call."
+    )
+
+
 class IngressConfig(_Strict):
     num_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(0, ge=0)
@@ -128,6 +141,7 @@ class AppConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     limits: Limits = Field(default_factory=Limits)
     replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
+    batching: BatchingConfig = Field(default_factory=BatchingConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
 
     @model_validator(mode="after")

@@ -66,6 +66,13 @@ class OutOfMemory(ServingError):
     error_type = "out_of_memory"
 
 
+class Aborted(ServingError):
+    """The request was aborted (by id, or because its caller went away) before it finished."""
+
+    status_code = 499
+    error_type = "aborted"
+
+
 class Unavailable(ServingError):
     status_code = 503
     error_type = "unavailable"

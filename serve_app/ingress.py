@@ -8,14 +8,16 @@ and no torch here.
 
 import asyncio
 import base64
+import json
 import logging
 import random
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import RayError, RayTaskError
 from ray.serve.handle import DeploymentHandle
@@ -25,6 +27,7 @@ from serve_app.errors import DeadlineExceeded, InvalidRequest, NotFound, Serving
 from serve_app.schemas import (
     MAX_SEED,
     REQUEST_ID_PATTERN,
+    AbortResponse,
     BatchGenerationRequest,
     ErrorResponse,
     GenerationParams,
@@ -36,6 +39,8 @@ from serve_app.schemas import (
     ImagesResponse,
     ModelCard,
     ModelList,
+    RequestState,
+    StepEvent,
     new_request_id,
 )
 
@@ -46,8 +51,7 @@ app = FastAPI(
     description="Diffusion image models on Ray Serve; the image routes follow the OpenAI Images API.",
     version="0.1.0",
 )
-_ERRORS = {400: {"model": ErrorResponse}, 404: {"model": ErrorResponse}, 500: {"model": ErrorResponse},
-           503: {"model": ErrorResponse}, 504: {"model": ErrorResponse}}  # fmt: skip
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 499, 500, 503, 504)}
 
 
 @app.exception_handler(ServingError)
@@ -150,14 +154,72 @@ class DiffusionIngress:
         )
         return ModelList(data=[card])
 
-    async def _submit(self, request: GenerationRequest | BatchGenerationRequest) -> GenerationResult:
+    async def generate_stream(
+        self, request: GenerationRequest | BatchGenerationRequest | dict[str, Any], preview_every: int = 0
+    ) -> AsyncIterator[StepEvent | GenerationResult]:
+        """Call with `handle.options(stream=True)`: a `StepEvent` per step, then the result."""
+        if isinstance(request, dict):
+            request = _validated(
+                BatchGenerationRequest if "prompts" in request else GenerationRequest, request
+            )
+        request = self._prepare(request)
+        gen = self.replica.options(stream=True).generate_stream.remote(request, preview_every)
+        try:
+            async with asyncio.timeout(self.cfg.ingress.request_timeout_s):
+                async for event in gen:
+                    yield event
+        except TimeoutError:
+            gen.cancel()
+            raise DeadlineExceeded(
+                f"no result within {self.cfg.ingress.request_timeout_s:g}s", request_id=request.request_id
+            ) from None
+        except asyncio.CancelledError:
+            gen.cancel()
+            raise
+        except RayError as e:
+            raise _as_serving_error(e, request.request_id) from None
+
+    async def abort(self, request_ids: list[str]) -> dict[str, str]:
+        """Abort requests by id wherever they are: `aborted`, `finished` or `unknown` per id.
+
+        Aborted callers get an `Aborted` error (HTTP 499); a running request stops at the next
+        denoising step, and the others in its pipeline call keep going.
+        """
+        answers = await self.replica.broadcast("abort", list(request_ids)).results_async()
+        out = {}
+        for rid in request_ids:
+            seen = {a.get(rid) for a in answers}
+            out[rid] = next((s for s in ("aborted", "finished") if s in seen), "unknown")
+        return out
+
+    async def request_status(self, request_id: str) -> RequestState:
+        states = await self.replica.broadcast("request_status", request_id).results_async()
+        found = [st for st in states if st is not None]
+        if not found:
+            raise NotFound(f"request_id: no request {request_id!r} is queued, running or recently finished")
+        order = {"running": 0, "queued": 1, "done": 2, "failed": 3, "aborted": 4}
+        return min(found, key=lambda st: order[st.state])
+
+    async def status(self) -> dict[str, Any]:
+        replicas = await self.replica.broadcast("stats").results_async()
+        return {
+            "model": self.cfg.model.served_name,
+            "replicas": sorted(replicas, key=lambda r: r["replica_id"]),
+            "queue_length": sum(r["queued_images"] + r["running_images"] for r in replicas),
+        }
+
+    def _prepare(self, request: GenerationRequest | BatchGenerationRequest):
+        """Check limits; fix the id and the seed, so a retried request makes the same image."""
         check_limits(request, self.cfg.limits, request.prompts)
-        request = request.model_copy(
+        return request.model_copy(
             update={
                 "request_id": request.request_id or _request_id(),
                 "seed": request.seed if request.seed is not None else self._rng.randrange(MAX_SEED),
             }
         )
+
+    async def _submit(self, request: GenerationRequest | BatchGenerationRequest) -> GenerationResult:
+        request = self._prepare(request)
         rid = request.request_id
         response = self.replica.generate.remote(request)
         try:
@@ -171,11 +233,7 @@ class DiffusionIngress:
             response.cancel()  # the caller went away: stop the work on the replica too
             raise
         except RayError as e:
-            cause = _unwrap(e)
-            if isinstance(cause, ServingError):
-                raise cause from None
-            logger.warning("request %s: replica call failed: %s", rid, e)
-            raise Unavailable(f"replica unavailable: {type(e).__name__}", request_id=rid) from None
+            raise _as_serving_error(e, rid) from None
 
     async def _describe(self) -> dict[str, Any]:
         if self._model_info is None:
@@ -185,22 +243,38 @@ class DiffusionIngress:
     # ------------------------------------------------------------------ HTTP API
 
     @app.post("/v1/images/generations", response_model=ImagesResponse, responses=_ERRORS)
-    async def images_generations(self, body: ImagesGenerationRequest) -> JSONResponse:
+    async def images_generations(self, body: ImagesGenerationRequest) -> Response:
         return await self._http_generate(body, body.to_generation_request)
 
     @app.post("/v1/images/generations/batch", response_model=ImagesResponse, responses=_ERRORS)
-    async def images_generations_batch(self, body: ImagesBatchRequest) -> JSONResponse:
+    async def images_generations_batch(self, body: ImagesBatchRequest) -> Response:
         return await self._http_generate(body, body.to_generation_request)
 
     @app.get("/v1/models", response_model=ModelList)
     async def list_models(self) -> ModelList:
         return await self.models()
 
+    @app.get("/v1/requests/{request_id}", response_model=RequestState, responses=_ERRORS)
+    async def get_request(self, request_id: str) -> RequestState:
+        return await self.request_status(request_id)
+
+    @app.post("/v1/requests/{request_id}/abort", response_model=AbortResponse)
+    async def abort_request(self, request_id: str) -> AbortResponse:
+        return _abort_response(request_id, (await self.abort([request_id]))[request_id])
+
+    @app.delete("/v1/requests/{request_id}", response_model=AbortResponse)
+    async def delete_request(self, request_id: str) -> AbortResponse:
+        return _abort_response(request_id, (await self.abort([request_id]))[request_id])
+
+    @app.get("/v1/status")
+    async def get_status(self) -> dict[str, Any]:
+        return await self.status()
+
     @app.get("/health")
     async def health(self) -> dict[str, str]:
         return {"status": "ok"}
 
-    async def _http_generate(self, body, to_request) -> JSONResponse:
+    async def _http_generate(self, body, to_request) -> Response:
         served = self.cfg.model.served_name
         if body.model is not None and body.model != served:
             raise NotFound(f"model: {body.model!r} is not served here; available: {served!r}", param="model")
@@ -208,32 +282,72 @@ class DiffusionIngress:
             request = to_request()
         except ValueError as e:  # pydantic ValidationError is a ValueError
             raise validation_to_error(e.errors()) from None
-        result = await self._submit(request)
-        fmt = result.output_format
-        data = []
-        for img, seed, idx in zip(result.images, result.seeds, result.prompt_index, strict=True):
-            b64 = base64.b64encode(img).decode("ascii")
-            item = (
-                {"url": f"data:image/{fmt};base64,{b64}"}
-                if body.response_format == "url"
-                else {"b64_json": b64}
+        if body.stream:
+            request = self._prepare(request)  # bad input still gets its 400 before the stream opens
+            events = self._sse(request, body.response_format, body.preview_every)
+            return StreamingResponse(
+                events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
-            data.append(ImageData(seed=seed, prompt_index=idx, **item))
-        resp = ImagesResponse(
-            created=result.created,
-            data=data,
-            model=result.model,
-            request_id=result.request_id,
-            output_format=fmt,
-            metrics=result.metrics,
-            peak_memory_mb=result.peak_memory_mb,
-            peak_memory_kind=result.peak_memory_kind,
-            latents=result.latents,
-            trajectory=result.trajectory,
-        )
+        result = await self._submit(request)
         # Serve's proxy sets the X-Request-Id response header to its own request id, which is
         # ours unless the body chose another one (see _request_id).
-        return JSONResponse(resp.model_dump(mode="json", exclude_none=True))
+        return JSONResponse(_images_response(result, body.response_format))
+
+    async def _sse(self, request, response_format: str, preview_every: int) -> AsyncIterator[str]:
+        try:
+            async for event in self.generate_stream(request, preview_every):
+                if isinstance(event, StepEvent):
+                    yield _sse_data({"type": "step", **event.model_dump(mode="json", exclude_none=True)})
+                else:
+                    yield _sse_data({"type": "result", **_images_response(event, response_format)})
+        except ServingError as e:
+            yield _sse_data({"type": "error", **e.to_body()})
+        yield "data: [DONE]\n\n"
+
+
+def _sse_data(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+def _images_response(result: GenerationResult, response_format: str) -> dict[str, Any]:
+    fmt = result.output_format
+    data = []
+    for img, seed, idx in zip(result.images, result.seeds, result.prompt_index, strict=True):
+        b64 = base64.b64encode(img).decode("ascii")
+        item = {"url": f"data:image/{fmt};base64,{b64}"} if response_format == "url" else {"b64_json": b64}
+        data.append(ImageData(seed=seed, prompt_index=idx, **item))
+    resp = ImagesResponse(
+        created=result.created,
+        data=data,
+        model=result.model,
+        request_id=result.request_id,
+        output_format=fmt,
+        metrics=result.metrics,
+        peak_memory_mb=result.peak_memory_mb,
+        peak_memory_kind=result.peak_memory_kind,
+        latents=result.latents,
+        trajectory=result.trajectory,
+    )
+    return resp.model_dump(mode="json", exclude_none=True)
+
+
+_ABORT_MESSAGES = {
+    "aborted": "aborted; its caller gets an 'aborted' error",
+    "finished": "already finished; nothing to abort",
+    "unknown": "no such request is queued or running; nothing to abort",
+}
+
+
+def _abort_response(request_id: str, outcome: str) -> AbortResponse:
+    return AbortResponse(request_id=request_id, result=outcome, message=_ABORT_MESSAGES[outcome])
+
+
+def _as_serving_error(e: RayError, request_id: str) -> ServingError:
+    cause = _unwrap(e)
+    if isinstance(cause, ServingError):
+        return cause
+    logger.warning("request %s: replica call failed: %s", request_id, e)
+    return Unavailable(f"replica unavailable: {type(e).__name__}", request_id=request_id)
 
 
 def _request_id() -> str:

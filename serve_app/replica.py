@@ -1,17 +1,23 @@
 """The diffusion replica: a Serve deployment (one Ray actor, one GPU) that owns one engine.
 
-Requests wait in a queue; one loop takes the next job and runs it on the engine thread, so
-the event loop never blocks on the pipeline. Image encoding runs on a separate pool in the
-awaiting request's coroutine, so it overlaps with the next pipeline call. The queue is the
-place where cross-request batching, abort and progress hook in.
+Requests wait in a queue. One loop takes the oldest, gathers the queued requests that can
+share its pipeline call (same size, steps, guidance, extra arguments, outputs), and runs them
+as one batch on the engine thread, so the event loop never blocks on the pipeline. Each
+request's rows keep their own seeds, so batching never changes an image. Image encoding runs
+on a separate pool in the awaiting request's coroutine, overlapping the next pipeline call.
+
+A request leaves the queue when it is aborted or its caller goes away; a running request that
+is aborted gets its answer at once, and the pipeline call stops at the next step when no
+request in it still wants its images.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
-from collections import deque
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,35 +25,54 @@ from typing import Any
 import torch
 from ray import serve
 
-from serve_app.config import ModelConfig
+from serve_app.config import BatchingConfig, ModelConfig
 from serve_app.engine import CallParams, EngineOutput, Row, encode_images
-from serve_app.engine.engine import engine_class
-from serve_app.errors import EngineFailure, InvalidRequest, OutOfMemory, ServingError, Unavailable
+from serve_app.engine.engine import engine_class, latents_preview
+from serve_app.errors import Aborted, EngineFailure, InvalidRequest, OutOfMemory, ServingError, Unavailable
 from serve_app.schemas import (
     BatchGenerationRequest,
-    GenerationRequest,
     GenerationResult,
+    RequestState,
     StageMetrics,
+    StepEvent,
     TensorPayload,
     Trajectory,
 )
 
 logger = logging.getLogger("ray.serve")
 
+_FINISHED_KEPT = 2048  # finished request states remembered for GET /v1/requests/{id}
 
-@dataclass
+
+@dataclass(eq=False)
 class _Job:
-    request: GenerationRequest | BatchGenerationRequest
+    request: BatchGenerationRequest
     rows: list[Row]
     params: CallParams
     future: asyncio.Future
+    preview_every: int = 0
     enqueued: float = field(default_factory=time.perf_counter)
     started: float | None = None
+    state: str = "queued"
+    step: int = 0
+    listeners: list[asyncio.Queue] = field(default_factory=list)
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id or "unnamed"
+
+    @property
+    def batch_key(self) -> tuple:
+        # SDXL treats an absent negative prompt differently from an empty one: keep them apart.
+        return (self.params, self.request.negative_prompt is None)
 
 
 class DiffusionReplica:
-    def __init__(self, model: dict[str, Any], max_consecutive_failures: int = 5):
+    def __init__(
+        self, model: dict[str, Any], batching: dict[str, Any] | None = None, max_consecutive_failures: int = 5
+    ):
         self.cfg = ModelConfig.model_validate(model)
+        self.batching = BatchingConfig.model_validate(batching or {})
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         # Loading and warm-up happen here: a replica takes traffic only once it can serve it,
         # and a model that cannot load fails the deployment with the engine's message.
@@ -56,34 +81,79 @@ class DiffusionReplica:
         # the same cores made the CPU pipeline 1.8x slower (measured: 391 vs 218 ms).
         self.engine = self._engine_thread.submit(engine_class(self.cfg.engine_extension), self.cfg).result()
         self._cpu_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="encode")
-        self._queue: deque[_Job] = deque()
+        self._queue: collections.deque[_Job] = collections.deque()
+        self._jobs: dict[str, _Job] = {}  # queued and running, by request id
+        self._finished: collections.OrderedDict[str, dict] = collections.OrderedDict()
+        self._running: list[_Job] = []
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
-        self._running: _Job | None = None
         self._max_failures = max_consecutive_failures
         self._consecutive_failures = 0
-        self._served = 0
+        self._counts = collections.Counter()
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve `user_config`: batching settings change at run time, without a restart."""
+        self.batching = BatchingConfig.model_validate({**self.batching.model_dump(), **(user_config or {})})
+        logger.info("batching settings now %s", self.batching.model_dump())
 
     # ------------------------------------------------------------------ requests
 
-    async def generate(self, request: GenerationRequest | BatchGenerationRequest) -> GenerationResult:
+    async def generate(self, request: BatchGenerationRequest) -> GenerationResult:
         """Run one request (one or several prompts) and return its merged result."""
+        job = self._submit(request)
+        return await self._finish(job)
+
+    async def generate_stream(self, request: BatchGenerationRequest, preview_every: int = 0) -> AsyncIterator:
+        """Yield a `StepEvent` after every denoising step, then the `GenerationResult`."""
+        job = self._submit(request, preview_every)
+        events: asyncio.Queue = asyncio.Queue()
+        job.listeners.append(events)
+        result_task = asyncio.ensure_future(self._finish(job))
+        try:
+            while True:
+                getter = asyncio.ensure_future(events.get())
+                done, _ = await asyncio.wait({getter, result_task}, return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    yield getter.result()
+                    continue
+                getter.cancel()
+                while not events.empty():
+                    yield events.get_nowait()
+                yield result_task.result()
+                return
+        finally:
+            if not result_task.done():
+                result_task.cancel()
+
+    def _submit(self, request: BatchGenerationRequest, preview_every: int = 0) -> _Job:
         rid = request.request_id or "unnamed"
         try:
             self.engine.check_extra(request.extra)
         except ValueError as e:
             raise InvalidRequest(str(e), param="extra", request_id=rid) from None
-        job = self._make_job(request)
+        if rid in self._jobs:
+            raise InvalidRequest(f"request_id: {rid!r} is already queued or running", param="request_id")
+        job = self._make_job(request, preview_every)
         self._ensure_loop()
         self._queue.append(job)
+        self._jobs[rid] = job
+        self._counts["accepted"] += 1
         self._wakeup.set()
-        output: EngineOutput = await job.future
+        return job
+
+    async def _finish(self, job: _Job) -> GenerationResult:
+        try:
+            output: EngineOutput = await job.future
+        except asyncio.CancelledError:
+            # The caller went away (HTTP disconnect, DeploymentResponse.cancel()): same as abort.
+            self._abort_job(job, "cancelled by the caller")
+            raise
         images = await asyncio.get_running_loop().run_in_executor(
-            self._cpu_pool, _encode_timed, output.images, request.output_format
+            self._cpu_pool, _encode_timed, output.images, job.request.output_format
         )
         return self._result(job, output, *images)
 
-    def _make_job(self, request: GenerationRequest | BatchGenerationRequest) -> _Job:
+    def _make_job(self, request: BatchGenerationRequest, preview_every: int) -> _Job:
         seed = request.seed if request.seed is not None else 0
         n = request.num_images
         rows = [
@@ -102,13 +172,12 @@ class DiffusionReplica:
             return_latents=request.return_latents,
             return_trajectory=request.return_trajectory,
         )
-        return _Job(request, rows, params, asyncio.get_running_loop().create_future())
+        return _Job(request, rows, params, asyncio.get_running_loop().create_future(), preview_every)
 
     def _result(
         self, job: _Job, out: EngineOutput, images: list[bytes], encode_ms: float
     ) -> GenerationResult:
         req = job.request
-        n = req.num_images
         t = out.timings_ms
         metrics = StageMetrics(
             queue_ms=(job.started - job.enqueued) * 1e3,
@@ -117,7 +186,8 @@ class DiffusionReplica:
             vae_decode_ms=t["vae_decode_ms"],
             image_encode_ms=encode_ms,
             total_ms=(time.perf_counter() - job.enqueued) * 1e3,
-            batch_images=len(job.rows),
+            batch_images=t["batch_images"],
+            batch_requests=t["batch_requests"],
             steps=out.steps_run,
         )
         trajectory = None
@@ -127,18 +197,82 @@ class DiffusionReplica:
                 latents=[TensorPayload.from_tensor(x) for x in out.trajectory_latents],
             )
         return GenerationResult(
-            request_id=req.request_id or "unnamed",
+            request_id=job.request_id,
             model=self.engine.model_name,
             images=images,
             output_format=req.output_format,
             seeds=[r.seed for r in job.rows],
-            prompt_index=[i for i in range(len(req.prompts)) for _ in range(n)],
+            prompt_index=[i for i in range(len(req.prompts)) for _ in range(req.num_images)],
             metrics=metrics,
             peak_memory_mb=out.peak_memory_mb,
             peak_memory_kind=out.memory_kind,
             latents=TensorPayload.from_tensor(out.latents) if out.latents is not None else None,
             trajectory=trajectory,
         )
+
+    # ------------------------------------------------------------------ abort and status
+
+    def abort(self, request_ids: list[str]) -> dict[str, str]:
+        """Abort by id: `aborted`, `finished` (already done, nothing to do) or `unknown`."""
+        out = {}
+        for rid in request_ids:
+            job = self._jobs.get(rid)
+            if job is not None:
+                self._abort_job(job, "aborted")
+                out[rid] = "aborted"
+            else:
+                out[rid] = "finished" if rid in self._finished else "unknown"
+        return out
+
+    def _abort_job(self, job: _Job, why: str) -> None:
+        if job.state not in ("queued", "running"):
+            return
+        was = job.state
+        if was == "queued":
+            try:
+                self._queue.remove(job)
+            except ValueError:
+                pass
+        self._retire(job, "aborted")
+        self._counts["aborted"] += 1
+        if not job.future.done():
+            job.future.set_exception(Aborted(f"request {why} while {was}", request_id=job.request_id))
+        logger.info("request %s %s while %s", job.request_id, why, was)
+
+    def _retire(self, job: _Job, state: str, error: str | None = None) -> None:
+        job.state = state
+        self._jobs.pop(job.request_id, None)
+        self._finished[job.request_id] = {
+            "state": state,
+            "step": job.step,
+            "total_steps": job.params.steps,
+            "error": error,
+        }
+        while len(self._finished) > _FINISHED_KEPT:
+            self._finished.popitem(last=False)
+
+    def request_status(self, request_id: str) -> RequestState | None:
+        state = self._request_status(request_id)
+        return state.model_copy(update={"replica_id": _replica_id()}) if state else None
+
+    def _request_status(self, request_id: str) -> RequestState | None:
+        job = self._jobs.get(request_id)
+        if job is not None:
+            position = None
+            if job.state == "queued":
+                position = next((i for i, j in enumerate(self._queue) if j is job), None)
+            return RequestState(
+                request_id=request_id,
+                state=job.state,
+                queue_position=position,
+                step=job.step,
+                total_steps=job.params.steps,
+                images=len(job.rows),
+            )
+        done = self._finished.get(request_id)
+        if done is not None:
+            return RequestState(request_id=request_id, **done)
+        return None
 
     # ------------------------------------------------------------------ the engine loop
 
@@ -147,6 +281,18 @@ class DiffusionReplica:
             self._wakeup = asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._engine_loop())
 
+    def _gather(self) -> list[_Job]:
+        """The oldest queued job and the queued jobs that can share its pipeline call."""
+        head = self._queue[0]
+        batch, images = [head], len(head.rows)
+        for job in list(self._queue)[1:]:
+            if images >= self.batching.max_batch_images:
+                break
+            if job.batch_key == head.batch_key and images + len(job.rows) <= self.batching.max_batch_images:
+                batch.append(job)
+                images += len(job.rows)
+        return batch
+
     async def _engine_loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -154,33 +300,100 @@ class DiffusionReplica:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            job = self._queue.popleft()
-            if job.future.done():  # its caller went away while it waited
+            batch = self._gather()
+            # Wait a little for the batch to fill, but never past the oldest request's window.
+            wait_until = batch[0].enqueued + self.batching.batch_wait_ms / 1e3
+            while (
+                sum(len(j.rows) for j in batch) < self.batching.max_batch_images
+                and time.perf_counter() < wait_until
+            ):
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), wait_until - time.perf_counter())
+                except TimeoutError:
+                    pass
+                if not self._queue:
+                    break
+                batch = self._gather()
+            if not self._queue:
                 continue
-            job.started = time.perf_counter()
-            self._running = job
+            for job in batch:
+                self._queue.remove(job)
+                job.state, job.started = "running", time.perf_counter()
+            self._running = batch
+            rows = [r for j in batch for r in j.rows]
+            hook = self._step_hook(batch, loop)
             try:
-                out = await loop.run_in_executor(self._engine_thread, self.engine.run, job.rows, job.params)
-            except Exception as e:  # one request's failure; the loop goes on
-                if not job.future.done():
-                    job.future.set_exception(self._classify(e, job))
+                out = await loop.run_in_executor(
+                    self._engine_thread, self.engine.run, rows, batch[0].params, hook
+                )
+            except Exception as e:  # one call's failure; the loop goes on
+                err = self._classify(e, batch)
+                for job in batch:
+                    if job.state == "running":
+                        self._retire(job, "failed", err.message)
+                        self._counts["failed"] += 1
+                        if not job.future.done():
+                            job.future.set_exception(_copy_error(err, job.request_id))
             else:
                 self._consecutive_failures = 0
-                self._served += 1
-                if not job.future.done():
-                    job.future.set_result(out)
+                self._deliver(batch, out)
             finally:
-                self._running = None
+                self._running = []
 
-    def _classify(self, e: Exception, job: _Job) -> ServingError:
-        rid = job.request.request_id
+    def _deliver(self, batch: list[_Job], out: EngineOutput) -> None:
+        start = 0
+        for job in batch:
+            part = out.slice(start, start + len(job.rows))
+            start += len(job.rows)
+            part.timings_ms["batch_images"] = len(out.images)
+            part.timings_ms["batch_requests"] = len(batch)
+            if job.state != "running":  # aborted during the call: its images are dropped
+                continue
+            self._retire(job, "done")
+            self._counts["done"] += 1
+            if not job.future.done():
+                job.future.set_result(part)
+
+    def _step_hook(self, batch: list[_Job], loop: asyncio.AbstractEventLoop):
+        """Runs on the engine thread after every step: progress, previews, and the stop signal."""
+        t0 = time.perf_counter()
+
+        def hook(i: int, total: int, latents: torch.Tensor) -> bool:
+            start = 0
+            for job in batch:
+                n = len(job.rows)
+                job.step = i + 1
+                if job.listeners and job.state == "running":
+                    preview = None
+                    if job.preview_every and ((i + 1) % job.preview_every == 0 or i + 1 == total):
+                        preview = latents_preview(latents[start : start + n])
+                    event = StepEvent(
+                        request_id=job.request_id,
+                        step=i + 1,
+                        total_steps=total,
+                        elapsed_ms=(time.perf_counter() - t0) * 1e3,
+                        preview_png=preview,
+                    )
+                    for q in job.listeners:
+                        loop.call_soon_threadsafe(q.put_nowait, event)
+                start += n
+            # Stop the call once no request in it still wants its images.
+            return all(job.state != "running" for job in batch)
+
+        return hook
+
+    def _classify(self, e: Exception, batch: list[_Job]) -> ServingError:
+        rid = batch[0].request_id
+        rows = sum(len(j.rows) for j in batch)
+        p = batch[0].params
         if isinstance(e, torch.OutOfMemoryError):
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             logger.warning("request %s ran out of device memory", rid)
             return OutOfMemory(
-                f"out of device memory running {len(job.rows)} image(s) at "
-                f"{job.params.width}x{job.params.height}; try fewer or smaller images",
+                f"out of device memory running {rows} image(s) at {p.width}x{p.height}; "
+                "try fewer or smaller images",
                 request_id=rid,
             )
         self._consecutive_failures += 1
@@ -193,35 +406,50 @@ class DiffusionReplica:
         return self.engine.describe()
 
     def stats(self) -> dict[str, Any]:
-        queued_images = sum(len(j.rows) for j in self._queue if not j.future.done())
-        running = self._running
         return {
-            "queued_requests": sum(1 for j in self._queue if not j.future.done()),
-            "queued_images": queued_images,
-            "running_requests": int(running is not None),
-            "running_images": len(running.rows) if running else 0,
-            "served_requests": self._served,
-            "consecutive_failures": self._consecutive_failures,
+            "replica_id": _replica_id(),
+            "queued_requests": len(self._queue),
+            "queued_images": sum(len(j.rows) for j in self._queue),
+            "running_requests": len(self._running),
+            "running_images": sum(len(j.rows) for j in self._running),
+            "healthy": self._health_problem() is None,
+            "batching": self.batching.model_dump(),
+            "counts": dict(self._counts),
         }
 
     def queue_length(self) -> int:
-        s = self.stats()
-        return s["queued_images"] + s["running_images"]
+        """Queued plus running images: the load figure for routing and autoscaling."""
+        return sum(len(j.rows) for j in self._queue) + sum(len(j.rows) for j in self._running)
+
+    def _health_problem(self) -> str | None:
+        task = self._loop_task
+        if task is not None and task.done():
+            return f"engine loop stopped: {task.exception() if not task.cancelled() else 'cancelled'}"
+        if self._consecutive_failures >= self._max_failures:
+            return f"{self._consecutive_failures} engine failures in a row"
+        return None
 
     async def check_health(self) -> None:
         """Raise when the engine is broken beyond one request, so that Serve replaces us."""
-        task = self._loop_task
-        if task is not None and task.done():
-            raise Unavailable(
-                f"engine loop stopped: {task.exception() if not task.cancelled() else 'cancelled'}"
-            )
-        if self._consecutive_failures >= self._max_failures:
-            raise Unavailable(f"{self._consecutive_failures} engine failures in a row")
+        problem = self._health_problem()
+        if problem:
+            raise Unavailable(problem)
 
     def __del__(self):
         for pool in (getattr(self, "_engine_thread", None), getattr(self, "_cpu_pool", None)):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a Serve replica (the engine tests)
+        return "local"
+
+
+def _copy_error(err: ServingError, request_id: str) -> ServingError:
+    return type(err)(err.message, param=err.param, request_id=request_id)
 
 
 def _encode_timed(images: list[Any], fmt: str) -> tuple[list[bytes], float]:

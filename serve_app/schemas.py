@@ -179,6 +179,7 @@ class StageMetrics(_Wire):
     image_encode_ms: float = 0.0
     total_ms: float = 0.0
     batch_images: int = Field(0, description="Images in the pipeline call this request ran in.")
+    batch_requests: int = Field(0, description="Requests that shared that pipeline call.")
     steps: int = 0
 
 
@@ -203,6 +204,31 @@ class GenerationResult(_Wire):
         from PIL import Image
 
         return [Image.open(io.BytesIO(b)) for b in self.images]
+
+
+class StepEvent(_Wire):
+    """Progress of a streamed request, sent after every denoising step."""
+
+    request_id: str
+    step: int
+    total_steps: int
+    elapsed_ms: float
+    preview_png: B64Bytes | None = Field(
+        None, description="Low-resolution preview, every `preview_every` steps."
+    )
+
+
+class RequestState(_Wire):
+    """Where a request is: queued (with position), running (step i of n), done, aborted or failed."""
+
+    request_id: str
+    state: Literal["queued", "running", "done", "aborted", "failed"]
+    queue_position: int | None = None
+    step: int = 0
+    total_steps: int = 0
+    images: int | None = None
+    error: str | None = None
+    replica_id: str | None = None
 
 
 # --------------------------------------------------------------------------- HTTP API (OpenAI Images)
@@ -244,6 +270,10 @@ class _ImagesCommon(_Wire):
     return_trajectory: bool = False
     request_id: RequestId = None
     extra: Extra = Field(default_factory=dict)
+    stream: bool = Field(
+        False, description="Answer with Server-Sent Events: a step event per step, then the result."
+    )
+    preview_every: int = Field(0, ge=0, description="With `stream`: a preview image every k steps (0: none).")
 
     @field_validator("size")
     @classmethod
@@ -334,6 +364,12 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class AbortResponse(BaseModel):
+    request_id: str
+    result: Literal["aborted", "finished", "unknown"]
+    message: str
 
 
 class ErrorBody(BaseModel):

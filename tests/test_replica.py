@@ -1,0 +1,161 @@
+"""The replica's scheduler driven directly (real engine, real pipeline, no Serve around it).
+
+Serve only calls these coroutines; driving them in one event loop makes the batching order
+deterministic, which HTTP timing cannot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from serve_app.errors import Aborted
+from serve_app.replica import DiffusionReplica
+from serve_app.schemas import BatchGenerationRequest, GenerationRequest
+
+
+@pytest.fixture(scope="module")
+def replica():
+    return DiffusionReplica(
+        {"source": "builtin:tiny-sd", "device": "cpu", "default_height": 32, "default_width": 32,
+         "default_steps": 3, "warmup": False},
+        {"max_batch_images": 8, "batch_wait_ms": 0},
+    )  # fmt: skip
+
+
+def req(prompt: str, rid: str, **kw) -> GenerationRequest:
+    return GenerationRequest(prompt=prompt, request_id=rid, seed=kw.pop("seed", 1), **kw)
+
+
+# One event loop for the module, as in a Serve replica: the engine loop task lives on it.
+_LOOP = asyncio.new_event_loop()
+
+
+def run(coro):
+    return _LOOP.run_until_complete(coro)
+
+
+def test_compatible_requests_share_a_call_and_keep_their_images(replica):
+    async def go():
+        blocker = asyncio.ensure_future(
+            replica.generate(req("block", "blk", width=64, height=64, num_inference_steps=6))
+        )
+        await asyncio.sleep(0.05)  # the blocker is running; the next ones queue behind it
+        a = asyncio.ensure_future(replica.generate(req("a red cat", "a1", seed=3)))
+        b = asyncio.ensure_future(replica.generate(req("a blue dog", "b1", seed=4, num_images=2)))
+        other = asyncio.ensure_future(replica.generate(req("steps differ", "o1", num_inference_steps=4)))
+        c = asyncio.ensure_future(replica.generate(req("a tree", "c1", seed=5)))
+        return await asyncio.gather(blocker, a, b, other, c)
+
+    blocker, a, b, other, c = run(go())
+    assert blocker.metrics.batch_requests == 1
+    # a, b and c share one call (4 images); `other` was older than c but incompatible: its own call.
+    for r in (a, b, c):
+        assert r.metrics.batch_requests == 3 and r.metrics.batch_images == 4, r.request_id
+    assert other.metrics.batch_requests == 1
+    assert a.seeds == [3] and b.seeds == [4, 5] and c.seeds == [5]
+
+    async def alone():
+        return await asyncio.gather(
+            replica.generate(req("a red cat", "a2", seed=3)),
+            replica.generate(req("a blue dog", "b2", seed=5)),
+        )
+
+    a2, b2 = run(alone())
+    # Same pixels whether the request ran alone or in a shared call (CPU rounding aside).
+    assert _maxdiff(a.images[0], a2.images[0]) <= 1
+    assert _maxdiff(b.images[1], b2.images[0]) <= 1
+
+
+def test_batch_size_limit_and_oldest_first(replica):
+    replica.reconfigure({"max_batch_images": 3})
+    try:
+
+        async def go():
+            blocker = asyncio.ensure_future(replica.generate(req("block", "blk2", width=64, height=64)))
+            await asyncio.sleep(0.05)
+            jobs = [
+                asyncio.ensure_future(replica.generate(req(f"p{i}", f"q{i}", num_images=2))) for i in range(3)
+            ]
+            return await asyncio.gather(blocker, *jobs)
+
+        _, *rs = run(go())
+        assert [r.metrics.batch_images for r in rs] == [2, 2, 2]  # 2+2 > 3: each runs alone
+        assert rs[0].metrics.queue_ms < rs[1].metrics.queue_ms < rs[2].metrics.queue_ms
+    finally:
+        replica.reconfigure({"max_batch_images": 8})
+
+
+def test_reconfigure_turns_batching_off_without_a_restart(replica):
+    replica.reconfigure({"max_batch_images": 1})
+    try:
+
+        async def go():
+            blocker = asyncio.ensure_future(replica.generate(req("block", "blk3", width=64, height=64)))
+            await asyncio.sleep(0.05)
+            return await asyncio.gather(blocker, *(replica.generate(req(f"p{i}", f"r{i}")) for i in range(3)))
+
+        _, *rs = run(go())
+        assert all(r.metrics.batch_requests == 1 for r in rs)
+        assert replica.stats()["batching"]["max_batch_images"] == 1
+    finally:
+        replica.reconfigure({"max_batch_images": 8})
+
+
+def test_request_aborted_while_queued_never_joins_a_batch(replica):
+    async def go():
+        blocker = asyncio.ensure_future(
+            replica.generate(req("block", "blk4", width=64, height=64, num_inference_steps=6))
+        )
+        await asyncio.sleep(0.05)
+        a = asyncio.ensure_future(replica.generate(req("a", "ab-a")))
+        b = asyncio.ensure_future(replica.generate(req("b", "ab-b")))
+        await asyncio.sleep(0)
+        assert replica.request_status("ab-a").state == "queued"
+        assert replica.abort(["ab-a", "nope"]) == {"ab-a": "aborted", "nope": "unknown"}
+        with pytest.raises(Aborted):
+            await a
+        rb = await b
+        await blocker
+        return rb
+
+    rb = run(go())
+    assert rb.metrics.batch_requests == 1
+    st = replica.request_status("ab-a")
+    assert st.state == "aborted" and st.step == 0
+    assert replica.abort(["ab-b"]) == {"ab-b": "finished"}
+
+
+def test_duplicate_live_request_id_is_refused(replica):
+    from serve_app.errors import InvalidRequest
+
+    async def go():
+        first = asyncio.ensure_future(replica.generate(req("a", "dup", width=64, height=64)))
+        await asyncio.sleep(0.01)
+        with pytest.raises(InvalidRequest, match="already queued or running"):
+            await replica.generate(req("a", "dup"))
+        return await first
+
+    assert run(go()).images
+
+
+def test_batch_request_rows_stay_together(replica):
+    async def go():
+        return await replica.generate(
+            BatchGenerationRequest(prompts=["x", "y", "z"], request_id="bt", seed=2)
+        )
+
+    r = run(go())
+    assert r.prompt_index == [0, 1, 2] and r.metrics.batch_images == 3
+
+
+def _maxdiff(a: bytes, b: bytes) -> int:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pa = np.asarray(Image.open(io.BytesIO(a))).astype(np.int16)
+    pb = np.asarray(Image.open(io.BytesIO(b))).astype(np.int16)
+    return int(np.abs(pa - pb).max())
