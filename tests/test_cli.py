@@ -56,6 +56,9 @@ def cli_cluster(tmp_path_factory):
             f"--dashboard-agent-grpc-port={ports['agent_grpc']}",
             f"--metrics-export-port={ports['metrics']}", f"--ray-client-server-port={ports['client']}",
             f"--runtime-env-agent-port={ports['env']}",
+            # Its own temp dir: the cluster-address file it writes there must not point a later
+            # `serve run` or `ray.init()` at this short-lived cluster.
+            f"--temp-dir={tmp_path_factory.mktemp('ray')}",
         ],
         env=env, cwd=tmp_path_factory.mktemp("head"), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
         start_new_session=True,

@@ -1,0 +1,215 @@
+"""Throughput under concurrent load against the raw pipeline, in one run.
+
+    python benchmarks/bench_throughput.py                                  # CPU, embedded model, 32 and 64 px
+    python benchmarks/bench_throughput.py --model builtin:sd15-arch --device cuda --sizes 512 --steps 20
+
+For each size: the raw pipeline in this process at batch 1, 8 and 16 (images/s), then closed-loop
+HTTP clients (1, 2, 4, 8, 16 of them, each sending single-image requests back to back) against
+the served app: images/s and p50/p95/p99 latency. Prints the ratios the goals are stated in and
+writes JSON plus a PNG chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+PROMPT = "a photograph of an astronaut riding a horse"
+
+
+def pct(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+async def closed_loop(url: str, clients: int, requests_per_client: int, size: int, steps: int) -> dict:
+    import httpx
+
+    lat: list[float] = []
+    batch_sizes: list[int] = []
+    errors = 0
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+
+        async def client(c: int) -> None:
+            nonlocal errors
+            for i in range(requests_per_client):
+                body = {"prompt": f"{PROMPT} {c}", "seed": c * 1000 + i, "size": f"{size}x{size}",
+                        "num_inference_steps": steps}  # fmt: skip
+                t = time.perf_counter()
+                r = await http.post("/v1/images/generations", json=body)
+                if r.status_code != 200:
+                    errors += 1
+                else:
+                    batch_sizes.append(r.json()["metrics"]["batch_images"])
+                lat.append((time.perf_counter() - t) * 1e3)
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(c) for c in range(clients)))
+        wall = time.perf_counter() - t0
+    return {
+        "clients": clients,
+        "requests": len(lat),
+        "errors": errors,
+        "images_per_s": round(len(lat) / wall, 3),
+        "p50_ms": round(pct(lat, 50), 1),
+        "p95_ms": round(pct(lat, 95), 1),
+        "p99_ms": round(pct(lat, 99), 1),
+        "mean_batch_images": round(sum(batch_sizes) / max(1, len(batch_sizes)), 2),
+    }
+
+
+def raw_throughput(pipe, device: str, size: int, steps: int, batch: int, min_s: float) -> dict:
+    import torch
+
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+    def call():
+        gens = [torch.Generator(device).manual_seed(i) for i in range(batch)]
+        pipe(prompt=[PROMPT] * batch, height=size, width=size, num_inference_steps=steps, generator=gens)
+        sync()
+
+    call()
+    n, t0 = 0, time.perf_counter()
+    while n < 2 or time.perf_counter() - t0 < min_s:
+        call()
+        n += 1
+    dt = (time.perf_counter() - t0) / n
+    return {"batch": batch, "s_per_call": round(dt, 4), "images_per_s": round(batch / dt, 3)}
+
+
+def plot(res: dict, path: Path) -> None:
+    """A small line chart (images/s against clients, raw batch levels dashed), drawn with PIL."""
+    from PIL import Image, ImageDraw
+
+    w, h, pad = 640, 400, 50
+    img = Image.new("RGB", (w, h), "white")
+    d = ImageDraw.Draw(img)
+    colors = ["#1f77b4", "#d62728", "#2ca02c", "#9467bd"]
+    top = max(max(r["images_per_s"] for r in s["served"]) for s in res["sizes"])
+    top = max(top, *(max(r["images_per_s"] for r in s["raw"]) for s in res["sizes"])) * 1.1
+    xs = res["clients"]
+    px = lambda i: pad + i * (w - 2 * pad) / max(1, len(xs) - 1)  # noqa: E731
+    py = lambda v: h - pad - v / top * (h - 2 * pad)  # noqa: E731
+    d.line([(pad, h - pad), (w - pad, h - pad)], fill="black")
+    d.line([(pad, pad), (pad, h - pad)], fill="black")
+    for i, c in enumerate(xs):
+        d.text((px(i) - 4, h - pad + 6), str(c), fill="black")
+    for k in range(5):
+        v = top * k / 4
+        d.text((4, py(v) - 6), f"{v:.1f}", fill="black")
+    d.text((w // 2 - 60, h - 20), "concurrent clients", fill="black")
+    d.text((pad, 10), f"images/s, {res['model']} on {res['device']} (dashed: raw batch 8/16)", fill="black")
+    for si, s in enumerate(res["sizes"]):
+        col = colors[si % len(colors)]
+        pts = [(px(i), py(r["images_per_s"])) for i, r in enumerate(s["served"])]
+        d.line(pts, fill=col, width=2)
+        d.text((w - pad - 60, pts[-1][1] - 14), f"{s['size']}px", fill=col)
+        for r in s["raw"]:
+            if r["batch"] > 1:
+                y = py(r["images_per_s"])
+                for x in range(pad, w - pad, 12):
+                    d.line([(x, y), (x + 6, y)], fill=col)
+    img.save(path)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="builtin:tiny-sd")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--sizes", type=int, nargs="+", default=[32, 64])
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    ap.add_argument(
+        "--requests-per-client", type=int, default=0, help="default: enough for ~48 requests a level"
+    )
+    ap.add_argument("--raw-seconds", type=float, default=5.0)
+    ap.add_argument("--batch-wait-ms", type=float, default=10.0)
+    ap.add_argument("--out", default="benchmarks/results/throughput")
+    a = ap.parse_args()
+
+    import ray
+    import torch
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.config import ModelConfig
+    from serve_app.engine import DiffusionEngine
+
+    top = max(a.sizes)
+    model = {"source": a.model, "device": a.device, "default_height": top, "default_width": top}
+    ray.init(
+        address="local", include_dashboard=False, log_to_driver=False, num_gpus=1 if a.device == "cuda" else 0
+    )
+    port = 8766
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = {
+        "model": model,
+        "limits": {"max_side": max(2048, top), "max_pixels": max(top * top, 1 << 20), "max_images": 16},
+        "replica": {"num_gpus": 1 if a.device == "cuda" else 0, "num_cpus": 0, "max_ongoing_requests": 64},
+        "batching": {"max_batch_images": 16, "batch_wait_ms": a.batch_wait_ms},
+        "ingress": {"num_cpus": 0},
+    }
+    serve.run(build_app(args), name="bench", route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+
+    engine = DiffusionEngine(ModelConfig(**model, warmup=False))
+    res: dict = {"model": a.model, "device": a.device, "steps": a.steps, "clients": a.clients, "sizes": []}
+    for size in a.sizes:
+        raw = [
+            raw_throughput(engine.pipe, engine.device.type, size, a.steps, b, a.raw_seconds)
+            for b in (1, 8, 16)
+        ]
+        asyncio.run(closed_loop(url, 4, 2, size, a.steps))  # warm the served path at this size
+        served = []
+        for c in a.clients:
+            per = a.requests_per_client or max(2, 48 // c)
+            served.append(asyncio.run(closed_loop(url, c, per, size, a.steps)))
+            print(f"  {size}px clients={c}: {served[-1]}", flush=True)
+        by = {r["batch"]: r for r in raw}
+        sv = {r["clients"]: r for r in served}
+        ratios = {
+            "lone_latency_vs_raw_bs1": round(sv[1]["p50_ms"] / (by[1]["s_per_call"] * 1e3), 3)
+            if 1 in sv
+            else None,
+            "c8_throughput_vs_raw_bs8": round(sv[8]["images_per_s"] / by[8]["images_per_s"], 3)
+            if 8 in sv
+            else None,
+            "c8_all_done_vs_raw_bs8_call": (
+                round(sv[8]["p50_ms"] / (by[8]["s_per_call"] * 1e3), 3) if 8 in sv else None
+            ),
+            "c16_throughput_vs_raw_bs16": (
+                round(sv[16]["images_per_s"] / by[16]["images_per_s"], 3) if 16 in sv else None
+            ),
+            "raw_bs8_gain_over_bs1": round(by[8]["images_per_s"] / by[1]["images_per_s"], 3),
+        }
+        res["sizes"].append({"size": size, "raw": raw, "served": served, "ratios": ratios})
+    serve.shutdown()
+    ray.shutdown()
+    del torch
+
+    for s in res["sizes"]:
+        print(f"\n{a.model} on {a.device}, {s['size']}x{s['size']}, {a.steps} steps")
+        print(
+            "raw in-process:  " + "  ".join(f"bs{r['batch']} {r['images_per_s']:.2f} img/s" for r in s["raw"])
+        )
+        print(f"{'clients':>8}{'img/s':>9}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}{'errors':>8}")
+        for r in s["served"]:
+            print(f"{r['clients']:>8}{r['images_per_s']:>9.2f}{r['p50_ms']:>9.0f}{r['p95_ms']:>9.0f}"
+                  f"{r['p99_ms']:>9.0f}{r['errors']:>8}")  # fmt: skip
+        print("ratios: " + ", ".join(f"{k} {v}" for k, v in s["ratios"].items()))
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(res, indent=1))
+    plot(res, out.with_suffix(".png"))
+    print(f"wrote {out.with_suffix('.json')} and {out.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()
