@@ -23,8 +23,11 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     if cfg.model.engine_extension:
         engine_class(cfg.model.engine_extension)
     r = cfg.replica
+    scaling = {"num_replicas": r.num_replicas}
+    if r.autoscaling is not None:
+        scaling = {"num_replicas": "auto", "autoscaling_config": r.autoscaling.serve_config()}
     replica = DiffusionReplicaDeployment.options(
-        num_replicas=r.num_replicas,
+        **scaling,
         ray_actor_options={"num_gpus": r.num_gpus, "num_cpus": r.num_cpus},
         max_ongoing_requests=r.max_ongoing_requests,
         max_queued_requests=r.max_queued_requests,
@@ -33,7 +36,9 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         graceful_shutdown_timeout_s=r.graceful_shutdown_timeout_s,
         max_constructor_retry_count=r.max_constructor_retry_count,
         user_config=cfg.batching.model_dump(),
-    ).bind(cfg.model.model_dump(), cfg.batching.model_dump(), r.max_consecutive_failures)
+    ).bind(
+        cfg.model.model_dump(), cfg.batching.model_dump(), r.max_consecutive_failures, r.engine_call_timeout_s
+    )
     ing = cfg.ingress
     return DiffusionIngressDeployment.options(
         num_replicas=ing.num_replicas,

@@ -96,14 +96,55 @@ class Limits(_Strict):
     max_guidance_scale: float = Field(50.0, ge=0)
 
 
+class AutoscalingSettings(_Strict):
+    """Queue-length autoscaling of the diffusion replicas (serve_app/autoscaling.py)."""
+
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(4, ge=1)
+    target_queue_length: float = Field(4.0, gt=0, description="Queued plus running images per replica.")
+    upscale_delay_s: float = Field(10.0, ge=0)
+    downscale_delay_s: float = Field(120.0, ge=0)
+    metrics_interval_s: float = Field(2.0, gt=0)
+    look_back_period_s: float = Field(10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _bounds(self) -> AutoscalingSettings:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas={self.min_replicas} exceeds max_replicas={self.max_replicas}")
+        return self
+
+    def serve_config(self) -> dict[str, Any]:
+        return {
+            "min_replicas": self.min_replicas,
+            "max_replicas": self.max_replicas,
+            "initial_replicas": max(1, self.min_replicas),
+            "upscale_delay_s": self.upscale_delay_s,
+            "downscale_delay_s": self.downscale_delay_s,
+            "metrics_interval_s": self.metrics_interval_s,
+            "look_back_period_s": self.look_back_period_s,
+            "policy": {
+                "policy_function": "serve_app.autoscaling:QueueLengthPolicy",
+                "policy_kwargs": {"target_queue_length": self.target_queue_length},
+            },
+        }
+
+
 class ReplicaConfig(_Strict):
     """Serve options of the diffusion replica deployment (one replica per GPU)."""
 
-    num_replicas: int = Field(1, ge=1)
+    num_replicas: int = Field(1, ge=1, description="Fixed replica count; ignored when `autoscaling` is set.")
+    autoscaling: AutoscalingSettings | None = None
     num_gpus: float = Field(0, ge=0, description="1 on a GPU machine: one replica per GPU.")
     num_cpus: float = Field(0, ge=0)
     max_ongoing_requests: int = Field(16, ge=1)
-    max_queued_requests: int = Field(-1, ge=-1)
+    max_queued_requests: int = Field(
+        -1,
+        ge=-1,
+        description="Requests waiting for a replica slot beyond which callers get 429; -1: no bound.",
+    )
+    engine_call_timeout_s: float = Field(
+        900.0, gt=0, description="A pipeline call running longer than this marks the replica unhealthy."
+    )
     health_check_period_s: float = Field(10.0, gt=0)
     health_check_timeout_s: float = Field(30.0, gt=0)
     graceful_shutdown_timeout_s: float = Field(60.0, ge=0)
@@ -130,6 +171,12 @@ class BatchingConfig(_Strict):
 
 class IngressConfig(_Strict):
     num_replicas: int = Field(1, ge=1)
+    max_attempts: int = Field(
+        3,
+        ge=1,
+        description="Tries of a request whose replica died (generation with a fixed seed is idempotent).",
+    )
+    retry_after_s: int = Field(2, ge=1, description="`Retry-After` of a 429 answer.")
     num_cpus: float = Field(0, ge=0)
     max_ongoing_requests: int = Field(256, ge=1)
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline for one request end to end.")

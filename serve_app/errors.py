@@ -73,6 +73,14 @@ class Aborted(ServingError):
     error_type = "aborted"
 
 
+class Overloaded(ServingError):
+    """Every replica's queue is full; retry after `retry_after_s` seconds."""
+
+    status_code = 429
+    error_type = "overloaded"
+    retry_after_s = 2
+
+
 class Unavailable(ServingError):
     status_code = 503
     error_type = "unavailable"

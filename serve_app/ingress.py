@@ -19,11 +19,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.exceptions import RayError, RayTaskError
+from ray.exceptions import NodeDiedError, RayActorError, RayError, RayTaskError, WorkerCrashedError
+from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig, Limits
-from serve_app.errors import DeadlineExceeded, InvalidRequest, NotFound, ServingError, Unavailable
+from serve_app.errors import DeadlineExceeded, InvalidRequest, NotFound, Overloaded, ServingError, Unavailable
 from serve_app.schemas import (
     MAX_SEED,
     REQUEST_ID_PATTERN,
@@ -51,12 +52,13 @@ app = FastAPI(
     description="Diffusion image models on Ray Serve; the image routes follow the OpenAI Images API.",
     version="0.1.0",
 )
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 499, 500, 503, 504)}
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 429, 499, 500, 503, 504)}
 
 
 @app.exception_handler(ServingError)
 async def _serving_error(request: Request, exc: ServingError) -> JSONResponse:
-    return JSONResponse(exc.to_body(), status_code=exc.status_code)
+    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, Overloaded) else None
+    return JSONResponse(exc.to_body(), status_code=exc.status_code, headers=headers)
 
 
 @app.exception_handler(RequestValidationError)
@@ -109,6 +111,10 @@ def check_limits(req: GenerationParams, limits: Limits, prompts: list[str]) -> N
             raise InvalidRequest(
                 f"prompt: {len(p)} characters, the maximum is {limits.max_prompt_chars}", param="prompt"
             )
+
+
+# What a call raises when its replica died mid-request (crash, ray.kill, node loss).
+_REPLICA_GONE = (RayActorError, WorkerCrashedError, NodeDiedError)
 
 
 def _unwrap(e: BaseException) -> BaseException:
@@ -219,21 +225,41 @@ class DiffusionIngress:
         )
 
     async def _submit(self, request: GenerationRequest | BatchGenerationRequest) -> GenerationResult:
+        """Send to a replica; retry when the replica dies under it; bound the whole by a deadline."""
         request = self._prepare(request)
         rid = request.request_id
-        response = self.replica.generate.remote(request)
+        ing = self.cfg.ingress
+        failures: list[str] = []
         try:
-            return await asyncio.wait_for(response, timeout=self.cfg.ingress.request_timeout_s)
+            async with asyncio.timeout(ing.request_timeout_s):
+                while len(failures) < ing.max_attempts:
+                    response = self.replica.generate.remote(request)
+                    try:
+                        result = await response
+                        return (
+                            result.model_copy(update={"attempts": len(failures) + 1}) if failures else result
+                        )
+                    except asyncio.CancelledError:
+                        response.cancel()  # the caller went away, or the deadline passed
+                        raise
+                    except _REPLICA_GONE as e:
+                        # The replica died with the request in it. A fixed seed makes the retry
+                        # produce the same image, so another replica may simply run it again.
+                        failures.append(f"{type(e).__name__}")
+                        logger.warning("request %s: replica lost (%s), attempt %d", rid, e, len(failures))
+                    except BackPressureError:
+                        err = Overloaded("every replica's queue is full; retry later", request_id=rid)
+                        err.retry_after_s = ing.retry_after_s
+                        raise err from None
+                    except RayError as e:
+                        raise _as_serving_error(e, rid) from None
         except TimeoutError:
-            response.cancel()
-            raise DeadlineExceeded(
-                f"no result within {self.cfg.ingress.request_timeout_s:g}s", request_id=rid
-            ) from None
-        except asyncio.CancelledError:
-            response.cancel()  # the caller went away: stop the work on the replica too
-            raise
-        except RayError as e:
-            raise _as_serving_error(e, rid) from None
+            raise DeadlineExceeded(f"no result within {ing.request_timeout_s:g}s", request_id=rid) from None
+        raise Unavailable(
+            f"the replica serving this request died {len(failures)} time(s) "
+            f"({', '.join(failures)}); giving up",
+            request_id=rid,
+        )
 
     async def _describe(self) -> dict[str, Any]:
         if self._model_info is None:
@@ -327,6 +353,7 @@ def _images_response(result: GenerationResult, response_format: str) -> dict[str
         peak_memory_kind=result.peak_memory_kind,
         latents=result.latents,
         trajectory=result.trajectory,
+        attempts=result.attempts,
     )
     return resp.model_dump(mode="json", exclude_none=True)
 

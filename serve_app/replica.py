@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -25,6 +26,7 @@ from typing import Any
 import torch
 from ray import serve
 
+from serve_app.autoscaling import QUEUE_LENGTH_METRIC
 from serve_app.config import BatchingConfig, ModelConfig
 from serve_app.engine import CallParams, EngineOutput, Row, encode_images
 from serve_app.engine.engine import engine_class, latents_preview
@@ -69,7 +71,11 @@ class _Job:
 
 class DiffusionReplica:
     def __init__(
-        self, model: dict[str, Any], batching: dict[str, Any] | None = None, max_consecutive_failures: int = 5
+        self,
+        model: dict[str, Any],
+        batching: dict[str, Any] | None = None,
+        max_consecutive_failures: int = 5,
+        engine_call_timeout_s: float = 900.0,
     ):
         self.cfg = ModelConfig.model_validate(model)
         self.batching = BatchingConfig.model_validate(batching or {})
@@ -89,6 +95,9 @@ class DiffusionReplica:
         self._loop_task: asyncio.Task | None = None
         self._max_failures = max_consecutive_failures
         self._consecutive_failures = 0
+        self._call_timeout_s = engine_call_timeout_s
+        self._call_started: float | None = None
+        self._fatal: str | None = None
         self._counts = collections.Counter()
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
@@ -340,6 +349,7 @@ class DiffusionReplica:
                 self._deliver(batch, out)
             finally:
                 self._running = []
+                self._call_started = None
 
     def _deliver(self, batch: list[_Job], out: EngineOutput) -> None:
         start = 0
@@ -397,6 +407,10 @@ class DiffusionReplica:
                 request_id=rid,
             )
         self._consecutive_failures += 1
+        if _is_fatal_device_error(e):
+            # A CUDA error of this kind poisons the context: no later call can succeed here.
+            self._fatal = f"fatal device error: {type(e).__name__}: {e}"
+            logger.error("replica unhealthy after request %s: %s", rid, self._fatal)
         logger.exception("request %s failed in the engine", rid, exc_info=e)
         return EngineFailure(f"engine error: {type(e).__name__}: {e}", request_id=rid)
 
@@ -413,6 +427,8 @@ class DiffusionReplica:
             "running_requests": len(self._running),
             "running_images": sum(len(j.rows) for j in self._running),
             "healthy": self._health_problem() is None,
+            "health_problem": self._health_problem(),
+            "rss_mb": round(_rss_mb(), 1),
             "batching": self.batching.model_dump(),
             "counts": dict(self._counts),
         }
@@ -421,10 +437,20 @@ class DiffusionReplica:
         """Queued plus running images: the load figure for routing and autoscaling."""
         return sum(len(j.rows) for j in self._queue) + sum(len(j.rows) for j in self._running)
 
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve calls this every `metrics_interval_s`; serve_app.autoscaling reads it."""
+        return {QUEUE_LENGTH_METRIC: float(self.queue_length())}
+
     def _health_problem(self) -> str | None:
+        if self._fatal:
+            return self._fatal
         task = self._loop_task
         if task is not None and task.done():
             return f"engine loop stopped: {task.exception() if not task.cancelled() else 'cancelled'}"
+        started = self._call_started
+        if started is not None and time.monotonic() - started > self._call_timeout_s:
+            ran = time.monotonic() - started
+            return f"a pipeline call has run for {ran:.0f}s (limit {self._call_timeout_s:g}s)"
         if self._consecutive_failures >= self._max_failures:
             return f"{self._consecutive_failures} engine failures in a row"
         return None
@@ -441,11 +467,24 @@ class DiffusionReplica:
                 pool.shutdown(wait=False, cancel_futures=True)
 
 
+_FATAL_MARKERS = ("CUDA error", "illegal memory access", "device-side assert", "CUBLAS_STATUS", "NCCL error")
+
+
+def _is_fatal_device_error(e: Exception) -> bool:
+    accel = getattr(torch, "AcceleratorError", None)
+    return (accel is not None and isinstance(e, accel)) or any(m in str(e) for m in _FATAL_MARKERS)
+
+
 def _replica_id() -> str:
     try:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # outside a Serve replica (the engine tests)
         return "local"
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 def _copy_error(err: ServingError, request_id: str) -> ServingError:

@@ -199,6 +199,7 @@ class GenerationResult(_Wire):
     latents: TensorPayload | None = None
     trajectory: Trajectory | None = None
     final_output_type: str = "image"
+    attempts: int = Field(1, description="Replicas tried: more than 1 when a replica died mid-request.")
 
     def pil_images(self) -> list[Any]:
         from PIL import Image
@@ -347,6 +348,7 @@ class ImagesResponse(BaseModel):
     peak_memory_kind: str
     latents: TensorPayload | None = None
     trajectory: Trajectory | None = None
+    attempts: int = 1
 
 
 class ModelCard(BaseModel):

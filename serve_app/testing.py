@@ -6,6 +6,7 @@ import torch
 
 OOM_MARKER = "[[inject-oom]]"
 FAIL_MARKER = "[[inject-failure]]"
+FATAL_MARKER = "[[inject-fatal-device-error]]"
 
 
 class FaultInjection:
@@ -21,4 +22,6 @@ class FaultInjection:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
             if FAIL_MARKER in row.prompt:
                 raise RuntimeError("injected engine failure")
+            if FATAL_MARKER in row.prompt:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered (injected)")
         return super().run(rows, params, step_hook)
