@@ -28,7 +28,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         scaling = {"num_replicas": "auto", "autoscaling_config": r.autoscaling.serve_config()}
     replica = DiffusionReplicaDeployment.options(
         **scaling,
-        ray_actor_options={"num_gpus": r.num_gpus, "num_cpus": r.num_cpus},
+        ray_actor_options={"num_gpus": r.num_gpus, "num_cpus": r.num_cpus, "resources": r.resources},
         max_ongoing_requests=r.max_ongoing_requests,
         max_queued_requests=r.max_queued_requests,
         health_check_period_s=r.health_check_period_s,
@@ -42,6 +42,6 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     ing = cfg.ingress
     return DiffusionIngressDeployment.options(
         num_replicas=ing.num_replicas,
-        ray_actor_options={"num_cpus": ing.num_cpus},
+        ray_actor_options={"num_cpus": ing.num_cpus, "resources": ing.resources},
         max_ongoing_requests=ing.max_ongoing_requests,
     ).bind(replica, cfg.model_dump())

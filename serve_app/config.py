@@ -136,6 +136,9 @@ class ReplicaConfig(_Strict):
     autoscaling: AutoscalingSettings | None = None
     num_gpus: float = Field(0, ge=0, description="1 on a GPU machine: one replica per GPU.")
     num_cpus: float = Field(0, ge=0)
+    resources: dict[str, float] = Field(
+        default_factory=dict, description="Custom Ray resources to place replicas."
+    )
     max_ongoing_requests: int = Field(16, ge=1)
     max_queued_requests: int = Field(
         -1,
@@ -178,6 +181,7 @@ class IngressConfig(_Strict):
     )
     retry_after_s: int = Field(2, ge=1, description="`Retry-After` of a 429 answer.")
     num_cpus: float = Field(0, ge=0)
+    resources: dict[str, float] = Field(default_factory=dict)
     max_ongoing_requests: int = Field(256, ge=1)
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline for one request end to end.")
 

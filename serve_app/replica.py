@@ -422,6 +422,7 @@ class DiffusionReplica:
     def stats(self) -> dict[str, Any]:
         return {
             "replica_id": _replica_id(),
+            "node_id": _node_id(),
             "queued_requests": len(self._queue),
             "queued_images": sum(len(j.rows) for j in self._queue),
             "running_requests": len(self._running),
@@ -473,6 +474,12 @@ _FATAL_MARKERS = ("CUDA error", "illegal memory access", "device-side assert", "
 def _is_fatal_device_error(e: Exception) -> bool:
     accel = getattr(torch, "AcceleratorError", None)
     return (accel is not None and isinstance(e, accel)) or any(m in str(e) for m in _FATAL_MARKERS)
+
+
+def _node_id() -> str | None:
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
 
 
 def _replica_id() -> str:
