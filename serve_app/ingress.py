@@ -23,6 +23,7 @@ from ray.exceptions import NodeDiedError, RayActorError, RayError, RayTaskError,
 from ray.serve.exceptions import BackPressureError
 from ray.serve.handle import DeploymentHandle
 
+from serve_app import metrics
 from serve_app.config import AppConfig, Limits
 from serve_app.errors import DeadlineExceeded, InvalidRequest, NotFound, Overloaded, ServingError, Unavailable
 from serve_app.schemas import (
@@ -246,8 +247,10 @@ class DiffusionIngress:
                         # The replica died with the request in it. A fixed seed makes the retry
                         # produce the same image, so another replica may simply run it again.
                         failures.append(f"{type(e).__name__}")
+                        metrics.count_retry(self.cfg.model.served_name)
                         logger.warning("request %s: replica lost (%s), attempt %d", rid, e, len(failures))
                     except BackPressureError:
+                        metrics.count_rejected(self.cfg.model.served_name, "overloaded")
                         err = Overloaded("every replica's queue is full; retry later", request_id=rid)
                         err.retry_after_s = ing.retry_after_s
                         raise err from None

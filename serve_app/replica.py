@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from ray import serve
 
+from serve_app import metrics
 from serve_app.autoscaling import QUEUE_LENGTH_METRIC
 from serve_app.config import BatchingConfig, ModelConfig
 from serve_app.engine import CallParams, EngineOutput, Row, encode_images
@@ -147,6 +148,7 @@ class DiffusionReplica:
         self._queue.append(job)
         self._jobs[rid] = job
         self._counts["accepted"] += 1
+        metrics.set_queue_length(self.engine.model_name, self.queue_length())
         self._wakeup.set()
         return job
 
@@ -188,7 +190,7 @@ class DiffusionReplica:
     ) -> GenerationResult:
         req = job.request
         t = out.timings_ms
-        metrics = StageMetrics(
+        stage = StageMetrics(
             queue_ms=(job.started - job.enqueued) * 1e3,
             text_encode_ms=t["text_encode_ms"],
             denoise_ms=t["denoise_ms"],
@@ -205,6 +207,17 @@ class DiffusionReplica:
                 timesteps=out.trajectory_timesteps,
                 latents=[TensorPayload.from_tensor(x) for x in out.trajectory_latents],
             )
+        metrics.observe_stages(
+            self.engine.model_name,
+            {
+                "queue": stage.queue_ms,
+                "text_encode": stage.text_encode_ms,
+                "denoise": stage.denoise_ms,
+                "vae_decode": stage.vae_decode_ms,
+                "image_encode": stage.image_encode_ms,
+                "total": stage.total_ms,
+            },
+        )
         return GenerationResult(
             request_id=job.request_id,
             model=self.engine.model_name,
@@ -212,7 +225,7 @@ class DiffusionReplica:
             output_format=req.output_format,
             seeds=[r.seed for r in job.rows],
             prompt_index=[i for i in range(len(req.prompts)) for _ in range(req.num_images)],
-            metrics=metrics,
+            metrics=stage,
             peak_memory_mb=out.peak_memory_mb,
             peak_memory_kind=out.memory_kind,
             latents=TensorPayload.from_tensor(out.latents) if out.latents is not None else None,
@@ -249,6 +262,7 @@ class DiffusionReplica:
         logger.info("request %s %s while %s", job.request_id, why, was)
 
     def _retire(self, job: _Job, state: str, error: str | None = None) -> None:
+        metrics.count_request(self.engine.model_name, state, len(job.rows))
         job.state = state
         self._jobs.pop(job.request_id, None)
         self._finished[job.request_id] = {
@@ -350,8 +364,10 @@ class DiffusionReplica:
             finally:
                 self._running = []
                 self._call_started = None
+                metrics.set_queue_length(self.engine.model_name, self.queue_length())
 
     def _deliver(self, batch: list[_Job], out: EngineOutput) -> None:
+        metrics.observe_batch(self.engine.model_name, len(out.images))
         start = 0
         for job in batch:
             part = out.slice(start, start + len(job.rows))
@@ -440,7 +456,9 @@ class DiffusionReplica:
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve calls this every `metrics_interval_s`; serve_app.autoscaling reads it."""
-        return {QUEUE_LENGTH_METRIC: float(self.queue_length())}
+        n = self.queue_length()
+        metrics.set_queue_length(self.engine.model_name, n)
+        return {QUEUE_LENGTH_METRIC: float(n)}
 
     def _health_problem(self) -> str | None:
         if self._fatal:

@@ -223,3 +223,24 @@ def test_out_of_memory_is_503_and_replica_keeps_serving(client):
     assert err["type"] == "out_of_memory" and err["request_id"] == "too-big"
     assert "out of device memory" in err["message"]
     assert client.post(GEN, json={"prompt": "after an OOM"}).status_code == 200
+
+
+def test_prometheus_metrics_are_exported(client):
+    import time
+
+    import httpx
+    import ray
+
+    assert client.post(GEN, json={"prompt": "counted"}).status_code == 200
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    wanted = ["ray_diffusion_requests_total", "ray_diffusion_images_total", "ray_diffusion_stage_latency_ms",
+              "ray_diffusion_batch_images", "ray_diffusion_queue_length"]  # fmt: skip
+    text, end = "", time.monotonic() + 90
+    while time.monotonic() < end:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        if all(w in text for w in wanted):
+            break
+        time.sleep(2)
+    missing = [w for w in wanted if w not in text]
+    assert not missing, missing
+    assert 'outcome="done"' in text and 'stage="denoise"' in text

@@ -1,0 +1,77 @@
+"""Prometheus metrics through Ray's metrics API (exported by each node's metrics agent).
+
+Ray prefixes every name with `ray_`, so `diffusion_images_total` is scraped as
+`ray_diffusion_images_total`. The objects are made once per process, on first use.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+_MS_BUCKETS = [5, 10, 25, 50, 100, 250, 500, 1000, 2500, 5000, 10000, 30000, 60000]
+_BATCH_BUCKETS = [1, 2, 4, 8, 16, 32, 64]
+
+
+@cache
+def _m():
+    from ray.util import metrics
+
+    return {
+        "requests": metrics.Counter(
+            "diffusion_requests_total", "Generation requests by outcome.", tag_keys=("model", "outcome")
+        ),
+        "images": metrics.Counter(
+            "diffusion_images_total", "Images by outcome.", tag_keys=("model", "outcome")
+        ),
+        "stage_ms": metrics.Histogram(
+            "diffusion_stage_latency_ms",
+            "Time per request in each stage (queue, text_encode, denoise, vae_decode, image_encode, total).",
+            boundaries=_MS_BUCKETS,
+            tag_keys=("model", "stage"),
+        ),
+        "batch_images": metrics.Histogram(
+            "diffusion_batch_images",
+            "Images per pipeline call.",
+            boundaries=_BATCH_BUCKETS,
+            tag_keys=("model",),
+        ),
+        "queue_length": metrics.Gauge(
+            "diffusion_queue_length", "Queued plus running images on a replica.", tag_keys=("model",)
+        ),
+        "retries": metrics.Counter(
+            "diffusion_retries_total", "Requests sent again because their replica died.", tag_keys=("model",)
+        ),
+        "rejected": metrics.Counter(
+            "diffusion_rejected_total",
+            "Requests refused before a replica ran them.",
+            tag_keys=("model", "reason"),
+        ),
+    }
+
+
+def count_request(model: str, outcome: str, images: int) -> None:
+    m = _m()
+    m["requests"].inc(1, {"model": model, "outcome": outcome})
+    m["images"].inc(images, {"model": model, "outcome": outcome})
+
+
+def observe_stages(model: str, stages_ms: dict[str, float]) -> None:
+    h = _m()["stage_ms"]
+    for stage, ms in stages_ms.items():
+        h.observe(ms, {"model": model, "stage": stage})
+
+
+def observe_batch(model: str, images: int) -> None:
+    _m()["batch_images"].observe(images, {"model": model})
+
+
+def set_queue_length(model: str, n: int) -> None:
+    _m()["queue_length"].set(n, {"model": model})
+
+
+def count_retry(model: str) -> None:
+    _m()["retries"].inc(1, {"model": model})
+
+
+def count_rejected(model: str, reason: str) -> None:
+    _m()["rejected"].inc(1, {"model": model, "reason": reason})
