@@ -37,7 +37,11 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         max_constructor_retry_count=r.max_constructor_retry_count,
         user_config=cfg.batching.model_dump(),
     ).bind(
-        cfg.model.model_dump(), cfg.batching.model_dump(), r.max_consecutive_failures, r.engine_call_timeout_s
+        cfg.model.model_dump(),
+        cfg.batching.model_dump(),
+        r.max_consecutive_failures,
+        r.engine_call_timeout_s,
+        cfg.lora.model_dump(),
     )
     ing = cfg.ingress
     return DiffusionIngressDeployment.options(

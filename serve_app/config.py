@@ -186,6 +186,22 @@ class IngressConfig(_Strict):
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline for one request end to end.")
 
 
+class LoraConfig(_Strict):
+    """LoRA adapters: where the registry lives, which files may be loaded, how many per replica."""
+
+    registry_path: str = Field(
+        "~/.cache/diffusion-serve/loras.json",
+        description="The persisted registry (JSON). On several machines: a path they all share.",
+    )
+    allowed_roots: list[str] = Field(
+        default_factory=list, description="Directories adapter files must resolve into; empty: no adapters."
+    )
+    max_file_mb: float = Field(512.0, gt=0)
+    max_loaded: int = Field(
+        4, ge=1, description="Adapters one replica holds; least recently used evicted first."
+    )
+
+
 class AppConfig(_Strict):
     """The `args` of the Serve application (see serve_config.yaml)."""
 
@@ -193,6 +209,7 @@ class AppConfig(_Strict):
     limits: Limits = Field(default_factory=Limits)
     replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
 
     @model_validator(mode="after")

@@ -47,6 +47,11 @@ class InvalidRequest(ServingError):
     error_type = "invalid_request_error"
 
 
+class Forbidden(ServingError):
+    status_code = 403
+    error_type = "forbidden"
+
+
 class NotFound(ServingError):
     status_code = 404
     error_type = "not_found_error"

@@ -26,6 +26,7 @@ from ray.serve.handle import DeploymentHandle
 from serve_app import metrics
 from serve_app.config import AppConfig, Limits
 from serve_app.errors import DeadlineExceeded, InvalidRequest, NotFound, Overloaded, ServingError, Unavailable
+from serve_app.lora import Registry, check_adapter_file, check_name
 from serve_app.schemas import (
     MAX_SEED,
     REQUEST_ID_PATTERN,
@@ -39,6 +40,9 @@ from serve_app.schemas import (
     ImagesBatchRequest,
     ImagesGenerationRequest,
     ImagesResponse,
+    LoraAdd,
+    LoraPin,
+    LoraRef,
     ModelCard,
     ModelList,
     RequestState,
@@ -53,7 +57,7 @@ app = FastAPI(
     description="Diffusion image models on Ray Serve; the image routes follow the OpenAI Images API.",
     version="0.1.0",
 )
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 429, 499, 500, 503, 504)}
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 403, 404, 429, 499, 500, 503, 504)}
 
 
 @app.exception_handler(ServingError)
@@ -134,6 +138,7 @@ class DiffusionIngress:
         self.replica = replica
         self._model_info: dict[str, Any] | None = None
         self._rng = random.SystemRandom()
+        self.registry = Registry(self.cfg.lora.registry_path)
 
     # ------------------------------------------------------------------ Python API (handle callers)
 
@@ -170,7 +175,7 @@ class DiffusionIngress:
                 BatchGenerationRequest if "prompts" in request else GenerationRequest, request
             )
         request = self._prepare(request)
-        gen = self.replica.options(stream=True).generate_stream.remote(request, preview_every)
+        gen = self._replica_for(request).options(stream=True).generate_stream.remote(request, preview_every)
         try:
             async with asyncio.timeout(self.cfg.ingress.request_timeout_s):
                 async for event in gen:
@@ -216,14 +221,68 @@ class DiffusionIngress:
         }
 
     def _prepare(self, request: GenerationRequest | BatchGenerationRequest):
-        """Check limits; fix the id and the seed, so a retried request makes the same image."""
+        """Check limits; fix the id and the seed, so a retried request makes the same image;
+        resolve the adapter from the registry (404 if it is not registered)."""
         check_limits(request, self.cfg.limits, request.prompts)
-        return request.model_copy(
-            update={
-                "request_id": request.request_id or _request_id(),
-                "seed": request.seed if request.seed is not None else self._rng.randrange(MAX_SEED),
-            }
-        )
+        update = {
+            "request_id": request.request_id or _request_id(),
+            "seed": request.seed if request.seed is not None else self._rng.randrange(MAX_SEED),
+        }
+        if request.lora is not None:
+            entry = self.registry.get(request.lora.name)
+            scale = request.lora.scale if request.lora.scale is not None else entry["scale"]
+            update["lora"] = LoraRef(name=request.lora.name, scale=scale, path=entry["path"])
+        return request.model_copy(update=update)
+
+    def _replica_for(self, request) -> DeploymentHandle:
+        """Requests naming an adapter go preferably to replicas that hold it (Serve multiplexing)."""
+        if request.lora is None:
+            return self.replica
+        return self.replica.options(multiplexed_model_id=request.lora.name)
+
+    # ------------------------------------------------------------------ LoRA administration
+
+    async def add_lora(
+        self, name: str, path: str, scale: float = 1.0, pinned: bool = False
+    ) -> dict[str, Any]:
+        """Register an adapter after checking its file and loading it once on a replica."""
+        check_name(name)
+        lim = self.cfg.lora
+        resolved = check_adapter_file(path, lim.allowed_roots, lim.max_file_mb)
+        if name in self.registry.all():
+            raise InvalidRequest(f"name: an adapter named {name!r} is already registered", param="name")
+        await self._call(self.replica.validate_lora.remote(str(resolved)))
+        entry = self.registry.add(name, str(resolved), scale)
+        if pinned:
+            entry = await self.pin_lora(name, True)
+        return {"name": name, **entry}
+
+    async def remove_lora(self, name: str) -> dict[str, Any]:
+        """Unregister an adapter and evict it from every replica; later requests for it get 404."""
+        entry = self.registry.remove(name)
+        evicted = await self.replica.broadcast("evict_lora", name).results_async()
+        return {"name": name, **entry, "evicted_from_replicas": sum(bool(e) for e in evicted)}
+
+    async def pin_lora(self, name: str, pinned: bool = True) -> dict[str, Any]:
+        """Pin (load on every replica, never evict) or unpin an adapter."""
+        entry = self.registry.pin(name, pinned, max_pinned=self.cfg.lora.max_loaded)
+        try:
+            await self.replica.broadcast("pin_lora", name, entry["path"], pinned).results_async()
+        except RayError as e:
+            raise _as_serving_error(e, None) from None
+        return {"name": name, **entry}
+
+    async def list_loras(self) -> dict[str, Any]:
+        """The registry (name, path, scale, pinned) and, per replica, the adapters it holds."""
+        registry = [{"name": n, **e} for n, e in sorted(self.registry.all().items())]
+        replicas = await self.replica.broadcast("loaded_loras").results_async()
+        return {"adapters": registry, "replicas": sorted(replicas, key=lambda r: r["replica_id"])}
+
+    async def _call(self, response):
+        try:
+            return await response
+        except RayError as e:
+            raise _as_serving_error(e, None) from None
 
     async def _submit(self, request: GenerationRequest | BatchGenerationRequest) -> GenerationResult:
         """Send to a replica; retry when the replica dies under it; bound the whole by a deadline."""
@@ -234,7 +293,7 @@ class DiffusionIngress:
         try:
             async with asyncio.timeout(ing.request_timeout_s):
                 while len(failures) < ing.max_attempts:
-                    response = self.replica.generate.remote(request)
+                    response = self._replica_for(request).generate.remote(request)
                     try:
                         result = await response
                         return (
@@ -294,6 +353,22 @@ class DiffusionIngress:
     @app.delete("/v1/requests/{request_id}", response_model=AbortResponse)
     async def delete_request(self, request_id: str) -> AbortResponse:
         return _abort_response(request_id, (await self.abort([request_id]))[request_id])
+
+    @app.post("/v1/loras", responses=_ERRORS)
+    async def http_add_lora(self, body: LoraAdd) -> dict[str, Any]:
+        return await self.add_lora(body.name, body.path, body.scale, body.pinned)
+
+    @app.get("/v1/loras")
+    async def http_list_loras(self) -> dict[str, Any]:
+        return await self.list_loras()
+
+    @app.delete("/v1/loras/{name}", responses=_ERRORS)
+    async def http_remove_lora(self, name: str) -> dict[str, Any]:
+        return await self.remove_lora(name)
+
+    @app.post("/v1/loras/{name}/pin", responses=_ERRORS)
+    async def http_pin_lora(self, name: str, body: LoraPin | None = None) -> dict[str, Any]:
+        return await self.pin_lora(name, body.pinned if body is not None else True)
 
     @app.get("/v1/status")
     async def get_status(self) -> dict[str, Any]:
@@ -372,7 +447,7 @@ def _abort_response(request_id: str, outcome: str) -> AbortResponse:
     return AbortResponse(request_id=request_id, result=outcome, message=_ABORT_MESSAGES[outcome])
 
 
-def _as_serving_error(e: RayError, request_id: str) -> ServingError:
+def _as_serving_error(e: RayError, request_id: str | None) -> ServingError:
     cause = _unwrap(e)
     if isinstance(cause, ServingError):
         return cause

@@ -28,10 +28,11 @@ from ray import serve
 
 from serve_app import metrics
 from serve_app.autoscaling import QUEUE_LENGTH_METRIC
-from serve_app.config import BatchingConfig, ModelConfig
-from serve_app.engine import CallParams, EngineOutput, Row, encode_images
+from serve_app.config import BatchingConfig, LoraConfig, ModelConfig
+from serve_app.engine import CallParams, EngineOutput, LoraError, Row, encode_images
 from serve_app.engine.engine import engine_class, latents_preview
 from serve_app.errors import Aborted, EngineFailure, InvalidRequest, OutOfMemory, ServingError, Unavailable
+from serve_app.lora import Registry
 from serve_app.schemas import (
     BatchGenerationRequest,
     GenerationResult,
@@ -77,8 +78,10 @@ class DiffusionReplica:
         batching: dict[str, Any] | None = None,
         max_consecutive_failures: int = 5,
         engine_call_timeout_s: float = 900.0,
+        lora: dict[str, Any] | None = None,
     ):
         self.cfg = ModelConfig.model_validate(model)
+        self.lora_cfg = LoraConfig.model_validate(lora or {})
         self.batching = BatchingConfig.model_validate(batching or {})
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         # Loading and warm-up happen here: a replica takes traffic only once it can serve it,
@@ -88,6 +91,9 @@ class DiffusionReplica:
         # the same cores made the CPU pipeline 1.8x slower (measured: 391 vs 218 ms).
         self.engine = self._engine_thread.submit(engine_class(self.cfg.engine_extension), self.cfg).result()
         self._cpu_pool = ThreadPoolExecutor(max_workers=2, thread_name_prefix="encode")
+        # LoRA adapters held by this replica, least recently used first; pinned ones never leave.
+        self._loras: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._pinned: set[str] = set()
         self._queue: collections.deque[_Job] = collections.deque()
         self._jobs: dict[str, _Job] = {}  # queued and running, by request id
         self._finished: collections.OrderedDict[str, dict] = collections.OrderedDict()
@@ -96,10 +102,15 @@ class DiffusionReplica:
         self._loop_task: asyncio.Task | None = None
         self._max_failures = max_consecutive_failures
         self._consecutive_failures = 0
+        self._counts = collections.Counter()
         self._call_timeout_s = engine_call_timeout_s
         self._call_started: float | None = None
         self._fatal: str | None = None
-        self._counts = collections.Counter()
+        # Converge to the registry before taking traffic: a replica that starts late (autoscaling,
+        # a replacement) holds the pinned adapters like the others, without anyone asking.
+        for name, entry in Registry(self.lora_cfg.registry_path).all().items():
+            if entry.get("pinned"):
+                self._engine_thread.submit(self._hold_lora, name, entry["path"], True).result()
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve `user_config`: batching settings change at run time, without a restart."""
@@ -180,6 +191,7 @@ class DiffusionReplica:
                 else self.cfg.default_guidance_scale
             ),
             extra=tuple(sorted(request.extra.items())),
+            lora=_lora_key(request),
             return_latents=request.return_latents,
             return_trajectory=request.return_trajectory,
         )
@@ -347,9 +359,8 @@ class DiffusionReplica:
             rows = [r for j in batch for r in j.rows]
             hook = self._step_hook(batch, loop)
             try:
-                out = await loop.run_in_executor(
-                    self._engine_thread, self.engine.run, rows, batch[0].params, hook
-                )
+                self._call_started = time.monotonic()
+                out = await loop.run_in_executor(self._engine_thread, self._run_call, batch, rows, hook)
             except Exception as e:  # one call's failure; the loop goes on
                 err = self._classify(e, batch)
                 for job in batch:
@@ -365,6 +376,13 @@ class DiffusionReplica:
                 self._running = []
                 self._call_started = None
                 metrics.set_queue_length(self.engine.model_name, self.queue_length())
+
+    def _run_call(self, batch: list[_Job], rows: list[Row], hook) -> EngineOutput:
+        """On the engine thread: load the call's adapter if this replica lacks it, then run."""
+        params = batch[0].params
+        if params.lora is not None:
+            self._hold_lora(params.lora[0], batch[0].request.lora.path)
+        return self.engine.run(rows, params, hook)
 
     def _deliver(self, batch: list[_Job], out: EngineOutput) -> None:
         metrics.observe_batch(self.engine.model_name, len(out.images))
@@ -413,6 +431,8 @@ class DiffusionReplica:
         rid = batch[0].request_id
         rows = sum(len(j.rows) for j in batch)
         p = batch[0].params
+        if isinstance(e, LoraError):
+            return InvalidRequest(f"lora: {e}", param="lora", request_id=rid)
         if isinstance(e, torch.OutOfMemoryError):
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -429,6 +449,74 @@ class DiffusionReplica:
             logger.error("replica unhealthy after request %s: %s", rid, self._fatal)
         logger.exception("request %s failed in the engine", rid, exc_info=e)
         return EngineFailure(f"engine error: {type(e).__name__}: {e}", request_id=rid)
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def _hold_lora(self, name: str, path: str, pin: bool = False) -> None:
+        """Engine thread only: make `name` loaded here (evicting the least recently used)."""
+        if pin:
+            self._pinned.add(name)
+        if name in self._loras:
+            self._loras.move_to_end(name)
+            return
+        while len(self._loras) >= self.lora_cfg.max_loaded:
+            victim = next((n for n in self._loras if n not in self._pinned), None)
+            if victim is None:
+                if pin:
+                    self._pinned.discard(name)
+                raise LoraError(
+                    f"all {self.lora_cfg.max_loaded} adapter slots of this replica hold pinned adapters "
+                    f"({', '.join(self._loras)}); unpin one or raise lora.max_loaded"
+                )
+            self.engine.unload_lora(victim)
+            del self._loras[victim]
+            self._counts["lora_evictions"] += 1
+        t = time.perf_counter()
+        self.engine.load_lora(name, path)
+        self._loras[name] = path
+        self._counts["lora_loads"] += 1
+        logger.info("loaded adapter %s from %s in %.0f ms", name, path, (time.perf_counter() - t) * 1e3)
+        _report_routing(list(self._loras))
+
+    def _drop_lora(self, name: str) -> bool:
+        self._pinned.discard(name)
+        if name not in self._loras:
+            return False
+        self.engine.unload_lora(name)
+        del self._loras[name]
+        _report_routing(list(self._loras))
+        return True
+
+    async def _on_engine(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, *args)
+
+    async def validate_lora(self, path: str) -> None:
+        """Load a candidate adapter under a scratch name and drop it again; LoraError -> 400."""
+
+        def check():
+            self.engine.load_lora("__candidate__", path)
+            self.engine.unload_lora("__candidate__")
+
+        try:
+            await self._on_engine(check)
+        except LoraError as e:
+            raise InvalidRequest(f"path: {e}", param="path") from None
+
+    async def pin_lora(self, name: str, path: str, pinned: bool) -> list[str]:
+        if pinned:
+            try:
+                await self._on_engine(self._hold_lora, name, path, True)
+            except LoraError as e:
+                raise InvalidRequest(f"pin: {e}", param="name") from None
+        else:
+            self._pinned.discard(name)
+        return list(self._loras)
+
+    async def evict_lora(self, name: str) -> bool:
+        return await self._on_engine(self._drop_lora, name)
+
+    def loaded_loras(self) -> dict[str, Any]:
+        return {"replica_id": _replica_id(), "loaded": list(self._loras), "pinned": sorted(self._pinned)}
 
     # ------------------------------------------------------------------ control and health
 
@@ -447,6 +535,7 @@ class DiffusionReplica:
             "health_problem": self._health_problem(),
             "rss_mb": round(_rss_mb(), 1),
             "batching": self.batching.model_dump(),
+            "loras_loaded": list(self._loras),
             "counts": dict(self._counts),
         }
 
@@ -505,6 +594,31 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # outside a Serve replica (the engine tests)
         return "local"
+
+
+def _lora_key(request) -> tuple[str, float] | None:
+    lora = request.lora
+    if lora is None:
+        return None
+    return (lora.name, float(lora.scale if lora.scale is not None else 1.0))
+
+
+def _report_routing(model_ids: list[str]) -> None:
+    """Tell Serve's router which adapters this replica holds, for multiplexed-id affinity.
+
+    `@serve.multiplexed` does this for models it manages; our cache keeps pinned adapters it
+    must never evict, so it reports through the same call itself.
+    """
+    try:
+        from ray.serve._private.common import RequestRoutingInfo
+        from ray.serve.context import _get_global_client
+
+        ctx = serve.get_replica_context()
+        _get_global_client().record_request_routing_info(
+            RequestRoutingInfo(replica_id=ctx.replica_id, multiplexed_model_ids=model_ids)
+        )
+    except Exception as e:  # outside Serve, or a Serve without this call: routing just loses affinity
+        logger.debug("could not report adapters for routing: %s", e)
 
 
 def _rss_mb() -> float:

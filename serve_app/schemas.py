@@ -134,6 +134,14 @@ class Trajectory(_Wire):
 # --------------------------------------------------------------------------- Python API
 
 
+class LoraRef(_Wire):
+    """Apply a registered adapter to this request only."""
+
+    name: str = Field(min_length=1, max_length=64)
+    scale: float | None = Field(None, ge=-10, le=10, description="Default: the adapter's registered scale.")
+    path: str | None = Field(None, description="Filled in by the server from the registry; ignored if sent.")
+
+
 class GenerationParams(_Wire):
     """Sampling parameters shared by every prompt of one request (the seed's sampling params)."""
 
@@ -151,6 +159,7 @@ class GenerationParams(_Wire):
     return_trajectory: bool = False
     request_id: RequestId = None
     extra: Extra = Field(default_factory=dict, description="More keyword arguments for the pipeline call.")
+    lora: LoraRef | None = None
 
 
 class GenerationRequest(GenerationParams):
@@ -271,6 +280,7 @@ class _ImagesCommon(_Wire):
     return_trajectory: bool = False
     request_id: RequestId = None
     extra: Extra = Field(default_factory=dict)
+    lora: LoraRef | None = None
     stream: bool = Field(
         False, description="Answer with Server-Sent Events: a step event per step, then the result."
     )
@@ -305,6 +315,7 @@ class _ImagesCommon(_Wire):
             return_trajectory=self.return_trajectory,
             request_id=self.request_id,
             extra=self.extra,
+            lora=self.lora,
         )
 
 
@@ -366,6 +377,19 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class LoraAdd(_Wire):
+    """Body of `POST /v1/loras`."""
+
+    name: str
+    path: str = Field(description="A .safetensors file inside one of the configured lora.allowed_roots.")
+    scale: float = Field(1.0, ge=-10, le=10)
+    pinned: bool = False
+
+
+class LoraPin(_Wire):
+    pinned: bool = True
 
 
 class AbortResponse(BaseModel):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import socket
+import tempfile
+from pathlib import Path
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -18,6 +20,10 @@ import httpx  # noqa: E402
 import pytest  # noqa: E402
 
 APP_NAME = "diffusion-test"
+# Adapter files and registries of this test session live here (an allowed root of the test apps).
+SESSION_DIR = Path(tempfile.mkdtemp(prefix="diffusion-serve-tests-"))
+ADAPTER_DIR = SESSION_DIR / "adapters"
+ADAPTER_DIR.mkdir()
 
 # The configuration the shared test app runs: the embedded model at test-friendly sizes.
 TEST_ARGS = {
@@ -35,7 +41,9 @@ TEST_ARGS = {
     # A long batch window, so that requests sent together by a test share a pipeline call.
     "batching": {"max_batch_images": 8, "batch_wait_ms": 100},
     "ingress": {"num_cpus": 0, "request_timeout_s": 120},
-}
+    "lora": {"registry_path": str(SESSION_DIR / "registry.json"), "allowed_roots": [str(ADAPTER_DIR)],
+             "max_loaded": 2, "max_file_mb": 1},
+}  # fmt: skip
 
 
 def free_port() -> int:

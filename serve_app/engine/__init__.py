@@ -4,9 +4,18 @@ from serve_app.engine.engine import (
     CallParams,
     DiffusionEngine,
     EngineOutput,
+    LoraError,
     ModelLoadError,
     Row,
     encode_images,
 )
 
-__all__ = ["CallParams", "DiffusionEngine", "EngineOutput", "ModelLoadError", "Row", "encode_images"]
+__all__ = [
+    "CallParams",
+    "DiffusionEngine",
+    "EngineOutput",
+    "LoraError",
+    "ModelLoadError",
+    "Row",
+    "encode_images",
+]

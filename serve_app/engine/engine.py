@@ -33,6 +33,10 @@ class _StopCall(Exception):
     """Raised from the step callback to leave the pipeline at once (no VAE decode)."""
 
 
+class LoraError(ValueError):
+    """An adapter file that cannot be used with this model; the message says why."""
+
+
 class ModelLoadError(RuntimeError):
     """The configured model cannot be loaded; the message says why and what to change."""
 
@@ -55,6 +59,7 @@ class CallParams:
     steps: int
     guidance_scale: float
     extra: tuple[tuple[str, Any], ...] = ()
+    lora: tuple[str, float] | None = None  # (adapter name, scale); the adapter must be loaded
     return_latents: bool = False
     return_trajectory: bool = False
 
@@ -263,6 +268,7 @@ class DiffusionEngine:
         self._call_args = self._named_call_args()
         self.default_height, self.default_width = self._native_size()
         self._state: _CallState | None = None
+        self._active_lora: tuple | None = None
         self._hook_handle = self._denoiser().register_forward_pre_hook(self._on_denoiser_call)
         self._memory = _PeakMemory(self.device)
         logger.info(
@@ -324,6 +330,62 @@ class DiffusionEngine:
                 f"it takes: {', '.join(sorted(self._call_args))}"
             )
 
+    # ------------------------------------------------------------------ LoRA adapters
+
+    def loaded_loras(self) -> list[str]:
+        return sorted({n for names in self.pipe.get_list_adapters().values() for n in names})
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load a diffusers/peft LoRA safetensors file as adapter `name`, or raise LoraError."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file
+
+        try:
+            state = load_file(path)
+        except (SafetensorError, OSError, ValueError) as e:
+            raise LoraError(f"{path}: not a readable safetensors file ({e})") from None
+        ups = [v for k, v in state.items() if "lora" in k and ("up" in k or "lora_B" in k)]
+        if not ups:
+            raise LoraError(f"{path}: no LoRA weights in it (no lora up/B tensors)")
+        if all(float(v.abs().max()) == 0 for v in ups):
+            raise LoraError(f"{path}: every LoRA up/B weight is zero; it would change no layer")
+        before = self.loaded_loras()
+        try:
+            self.pipe.load_lora_weights(state, adapter_name=name)
+        except Exception as e:  # diffusers/peft raise several types on shape or key mismatch
+            self._drop_adapter(name)
+            if "NoMatching" in type(e).__name__ or "not found in the base model" in str(e):
+                raise LoraError(f"{path}: its keys match no layer of {type(self.pipe).__name__}") from None
+            msg = " ".join(str(e).split())
+            msg = msg if len(msg) < 300 else msg[:300] + " ..."
+            pipe = type(self.pipe).__name__
+            raise LoraError(f"{path}: does not fit {pipe} ({type(e).__name__}: {msg})") from None
+        if name not in self.loaded_loras() or self.loaded_loras() == before:
+            self._drop_adapter(name)
+            raise LoraError(f"{path}: its keys match no layer of {type(self.pipe).__name__}")
+        self._active_lora = ()  # force set_adapters on the next call
+
+    def unload_lora(self, name: str) -> None:
+        self._drop_adapter(name)
+        self._active_lora = ()
+
+    def _drop_adapter(self, name: str) -> None:
+        if name in self.loaded_loras():
+            self.pipe.delete_adapters(name)
+
+    def _apply_lora(self, lora: tuple[str, float] | None) -> None:
+        """Make exactly `lora` active (None or scale 0: the base model, bit for bit)."""
+        want = lora if lora is not None and lora[1] != 0 else None
+        if want == self._active_lora:
+            return
+        if want is None:
+            if self.loaded_loras():
+                self.pipe.disable_lora()
+        else:
+            self.pipe.enable_lora()
+            self.pipe.set_adapters([want[0]], [want[1]])
+        self._active_lora = want
+
     # ------------------------------------------------------------------ running
 
     def warmup(self) -> None:
@@ -370,6 +432,7 @@ class DiffusionEngine:
                 st.denoise_end = time.perf_counter()
             return {}
 
+        self._apply_lora(params.lora)
         negatives = [r.negative_prompt for r in rows]
         generators = [torch.Generator(self.device).manual_seed(r.seed) for r in rows]
         self._state = st

@@ -1,0 +1,177 @@
+"""LoRA adapters: the persisted registry, the checks on adapter files, and a maker for tests.
+
+The registry is the source of truth for which adapters exist and which are pinned. It is a
+JSON file written atomically under a lock, so it survives a restart of the app and every
+replica, including one that starts later, reads the same state. On several machines, put it
+on a path they share.
+
+    python -m serve_app.lora make --out adapters/red.safetensors --seed 1   # an adapter for builtin:tiny-sd
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from serve_app.errors import Forbidden, InvalidRequest, NotFound
+
+NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def check_name(name: str) -> str:
+    if not NAME_PATTERN.match(name):
+        raise InvalidRequest(
+            "name: 1-64 characters of letters, digits, '.', '_' or '-', starting with a letter or digit",
+            param="name",
+        )
+    return name
+
+
+def check_adapter_file(path: str, allowed_roots: list[str], max_file_mb: float) -> Path:
+    """Resolve `path` (symlinks followed) and refuse it unless it is a `.safetensors` file,
+    inside an allowed root, and no larger than `max_file_mb`."""
+    if not allowed_roots:
+        raise Forbidden(
+            "path: no lora.allowed_roots are configured, so no adapter file may be loaded", param="path"
+        )
+    raw = Path(path).expanduser()
+    if not raw.is_absolute():
+        raw = Path(allowed_roots[0]).expanduser() / raw
+    if ".." in raw.parts:
+        raise Forbidden("path: '..' is not allowed in adapter paths", param="path")
+    resolved = raw.resolve()
+    roots = [Path(r).expanduser().resolve() for r in allowed_roots]
+    if not any(resolved == r or r in resolved.parents for r in roots):
+        raise Forbidden(
+            f"path: {path!r} resolves outside the allowed roots ({', '.join(map(str, roots))})", param="path"
+        )
+    if resolved.suffix != ".safetensors":
+        raise InvalidRequest("path: only .safetensors adapter files are loaded (never pickles)", param="path")
+    if not resolved.is_file():
+        raise InvalidRequest(f"path: no adapter file at {path!r}", param="path")
+    size_mb = resolved.stat().st_size / 2**20
+    if size_mb > max_file_mb:
+        raise InvalidRequest(f"path: {size_mb:.1f} MB is above the limit of {max_file_mb:g} MB", param="path")
+    return resolved
+
+
+class Registry:
+    """Registered adapters by name: {path, scale, pinned}. Every method re-reads the file."""
+
+    def __init__(self, path: str):
+        self.path = Path(path).expanduser()
+
+    @contextlib.contextmanager
+    def _locked(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    def _read(self) -> dict[str, dict[str, Any]]:
+        try:
+            return json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+
+    def _write(self, data: dict[str, dict[str, Any]]) -> None:
+        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
+        os.replace(tmp, self.path)
+
+    def all(self) -> dict[str, dict[str, Any]]:
+        with self._locked():
+            return self._read()
+
+    def get(self, name: str) -> dict[str, Any]:
+        entry = self.all().get(name)
+        if entry is None:
+            raise NotFound(f"lora: no adapter named {name!r} is registered", param="lora")
+        return entry
+
+    def add(self, name: str, path: str, scale: float, pinned: bool = False) -> dict[str, Any]:
+        with self._locked():
+            data = self._read()
+            if name in data:
+                raise InvalidRequest(f"name: an adapter named {name!r} is already registered", param="name")
+            data[name] = {"path": path, "scale": scale, "pinned": pinned}
+            self._write(data)
+            return data[name]
+
+    def remove(self, name: str) -> dict[str, Any]:
+        with self._locked():
+            data = self._read()
+            if name not in data:
+                raise NotFound(f"lora: no adapter named {name!r} is registered", param="name")
+            entry = data.pop(name)
+            self._write(data)
+            return entry
+
+    def pin(self, name: str, pinned: bool, max_pinned: int) -> dict[str, Any]:
+        with self._locked():
+            data = self._read()
+            if name not in data:
+                raise NotFound(f"lora: no adapter named {name!r} is registered", param="name")
+            others = sum(1 for n, e in data.items() if e["pinned"] and n != name)
+            if pinned and others >= max_pinned:
+                raise InvalidRequest(
+                    f"pin: {others} adapters are pinned already and a replica holds at most {max_pinned}",
+                    param="name",
+                )
+            data[name]["pinned"] = pinned
+            self._write(data)
+            return data[name]
+
+
+def make_adapter(
+    out: str, seed: int = 0, rank: int = 4, model: str = "tiny-sd", strength: float = 1.0
+) -> Path:
+    """Write a LoRA adapter for `builtin:<model>` in the diffusers/peft safetensors format.
+
+    Same arguments, same file: the weights are drawn from `seed`.
+    """
+    import torch
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft import LoraConfig, get_peft_model_state_dict
+    from safetensors.torch import save_file
+
+    from serve_app.engine.builtin import build_builtin
+
+    pipe = build_builtin(model, seed=0)
+    torch.manual_seed(seed)
+    cfg = LoraConfig(
+        r=rank, lora_alpha=rank, init_lora_weights=False, target_modules=["to_q", "to_k", "to_v", "to_out.0"]
+    )
+    pipe.unet.add_adapter(cfg, adapter_name="make")
+    state = get_peft_model_state_dict(pipe.unet, adapter_name="make")
+    state = convert_state_dict_to_diffusers(state)
+    state = {f"unet.{k}": (v * strength).contiguous() for k, v in state.items()}
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, str(path))
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m serve_app.lora", description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    mk = sub.add_parser("make", help="write a deterministic adapter for a builtin model")
+    mk.add_argument("--out", required=True)
+    mk.add_argument("--seed", type=int, default=0)
+    mk.add_argument("--rank", type=int, default=4)
+    mk.add_argument("--model", default="tiny-sd")
+    a = ap.parse_args(argv)
+    print(make_adapter(a.out, seed=a.seed, rank=a.rank, model=a.model))
+
+
+if __name__ == "__main__":
+    main()

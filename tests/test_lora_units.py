@@ -1,0 +1,71 @@
+"""Adapter file checks, the registry, and the adapter maker, without Ray."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from safetensors.torch import load_file
+
+from serve_app.errors import Forbidden, InvalidRequest, NotFound
+from serve_app.lora import Registry, check_adapter_file, check_name, make_adapter
+
+
+def test_maker_is_deterministic_and_writes_diffusers_keys(tmp_path):
+    a = load_file(str(make_adapter(str(tmp_path / "a.safetensors"), seed=1)))
+    b = load_file(str(make_adapter(str(tmp_path / "b.safetensors"), seed=1)))
+    c = load_file(str(make_adapter(str(tmp_path / "c.safetensors"), seed=2)))
+    assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+    assert any((a[k] != c[k]).any() for k in a)
+    assert all(k.startswith("unet.") and ".lora." in k for k in a)
+
+
+def test_path_checks(tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    good = make_adapter(str(root / "good.safetensors"), seed=1)
+    assert check_adapter_file(str(good), [str(root)], 10) == good.resolve()
+    assert check_adapter_file("good.safetensors", [str(root)], 10) == good.resolve()  # relative to the root
+    outside = make_adapter(str(tmp_path / "outside.safetensors"), seed=1)
+    (root / "link.safetensors").symlink_to(outside)
+    (root / "weights.bin").write_bytes(b"\0" * 10)
+    (root / "big.safetensors").write_bytes(b"\0" * 3 * 2**20)
+    cases = [
+        (str(outside), Forbidden, "outside the allowed roots"),
+        (str(root / ".." / "outside.safetensors"), Forbidden, "'..'"),
+        (str(root / "link.safetensors"), Forbidden, "outside the allowed roots"),
+        (str(root / "weights.bin"), InvalidRequest, "only .safetensors"),
+        (str(root / "missing.safetensors"), InvalidRequest, "no adapter file"),
+        (str(root / "big.safetensors"), InvalidRequest, "above the limit of 1 MB"),
+    ]
+    for path, err, msg in cases:
+        with pytest.raises(err, match=msg.replace(".", r"\.")):
+            check_adapter_file(path, [str(root)], 1)
+    with pytest.raises(Forbidden, match="no lora.allowed_roots"):
+        check_adapter_file(str(good), [], 10)
+
+
+def test_names():
+    assert check_name("red-v1.2") == "red-v1.2"
+    for bad in ("", "-x", "a/b", "x" * 65, "a b"):
+        with pytest.raises(InvalidRequest):
+            check_name(bad)
+
+
+def test_registry_persists_and_guards(tmp_path):
+    path = tmp_path / "reg" / "loras.json"
+    r = Registry(str(path))
+    r.add("a", "/x/a.safetensors", 0.8)
+    r.add("b", "/x/b.safetensors", 1.0)
+    with pytest.raises(InvalidRequest, match="already registered"):
+        r.add("a", "/x/a.safetensors", 1.0)
+    r.pin("a", True, max_pinned=1)
+    with pytest.raises(InvalidRequest, match="pinned already"):
+        r.pin("b", True, max_pinned=1)
+    again = Registry(str(path))  # a restart reads the same state
+    assert again.all() == {"a": {"path": "/x/a.safetensors", "scale": 0.8, "pinned": True},
+                           "b": {"path": "/x/b.safetensors", "scale": 1.0, "pinned": False}}  # fmt: skip
+    again.remove("a")
+    with pytest.raises(NotFound):
+        r.get("a")
+    assert not any(p.name.startswith("loras.tmp") for p in os.scandir(path.parent))
