@@ -8,6 +8,7 @@ the ingress can read the same models without loading a model stack.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -197,6 +198,13 @@ class LoraConfig(_Strict):
         default_factory=list, description="Directories adapter files must resolve into; empty: no adapters."
     )
     max_file_mb: float = Field(512.0, gt=0)
+
+    @field_validator("allowed_roots")
+    @classmethod
+    def _absolute_roots(cls, v: list[str]) -> list[str]:
+        # Resolved where the app is built (`serve run`'s directory), not in each replica's cwd.
+        return [str(Path(r).expanduser().resolve()) for r in v]
+
     max_loaded: int = Field(
         4, ge=1, description="Adapters one replica holds; least recently used evicted first."
     )

@@ -99,7 +99,10 @@ def test_a_per_request_error_does_not_fail_health(client, base_url):
 def test_killed_replicas_lose_no_request(app_factory, client, base_url):
     app = "kill"
     prefix = app_factory(
-        app, replica={"num_replicas": 2, "health_check_period_s": 1}, ingress={"max_attempts": 4}
+        app,
+        replica={"num_replicas": 2, "health_check_period_s": 1},
+        ingress={"max_attempts": 4},
+        batching={"batch_wait_ms": 5},
     )
     wait_for(lambda: len(replica_actors(app)) == 2, 60)
     outcomes: list[tuple[int, dict]] = []
@@ -131,7 +134,10 @@ def test_killed_replicas_lose_no_request(app_factory, client, base_url):
         if names:
             ray.kill(ray.get_actor(rng.choice(names), namespace="serve"), no_restart=True)
             kills += 1
-    time.sleep(4)
+    # Keep the traffic going until enough requests have finished to judge (slow machines).
+    end = time.monotonic() + 120
+    while len(outcomes) < 12 and time.monotonic() < end:
+        time.sleep(0.5)
     stop.set()
     for t in threads:
         t.join(120)
@@ -146,6 +152,7 @@ def test_killed_replicas_lose_no_request(app_factory, client, base_url):
     for s, b in failed:
         assert s == 503 and b["error"]["request_id"], (s, b)
     assert len(ok) >= 0.8 * len(outcomes) and len(outcomes) >= 12
+    assert retried, "no request was caught by a kill: the test did not test retries"
     # Replacements come up and take traffic.
     wait_for(lambda: len(status(client, prefix)["replicas"]) == 2, 90)
     assert client.post(f"{prefix}/v1/images/generations", json={"prompt": "after"}).status_code == 200

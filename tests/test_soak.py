@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import copy
 import random
 import threading
 import time
 
 import httpx
 import pytest
+from ray import serve
+
+from serve_app.app import build_app
+from tests.conftest import TEST_ARGS
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +21,19 @@ TOTAL = 2000
 CLIENTS = 8
 
 
-def test_soak_mixed_traffic_no_unexpected_errors_and_flat_memory(client, base_url):
+@pytest.fixture(scope="module")
+def soak_app(ray_cluster):
+    """Its own app with a short batch window (the shared app waits 100 ms to batch test requests)."""
+    args = copy.deepcopy(TEST_ARGS)
+    args["batching"] = {"max_batch_images": 8, "batch_wait_ms": 5}
+    serve.run(build_app(args), name="soak", route_prefix="/soak")
+    yield "/soak"
+    serve.delete("soak")
+
+
+def test_soak_mixed_traffic_no_unexpected_errors_and_flat_memory(soak_app, client, base_url):
+    base_url = base_url + soak_app
+    client = httpx.Client(base_url=base_url, timeout=60)
     for side in (8, 16, 24, 32):
         warm = {"prompt": "warm", "size": f"{side}x{side}", "num_inference_steps": 1}
         assert client.post("/v1/images/generations", json=warm).status_code == 200
@@ -48,7 +65,7 @@ def test_soak_mixed_traffic_no_unexpected_errors_and_flat_memory(client, base_ur
                     key = "invalid"
                 elif kind == "abort":
                     rid = f"soak-{i}"
-                    body.update(request_id=rid, num_inference_steps=30, size="64x64")
+                    body.update(request_id=rid, num_inference_steps=30, size="32x32")
                     with cf.ThreadPoolExecutor(1) as pool:
                         fut = pool.submit(http_post, base_url, body)
                         time.sleep(rng.uniform(0.0, 0.3))
