@@ -210,6 +210,21 @@ class LoraConfig(_Strict):
     )
 
 
+class AuthConfig(_Strict):
+    """Optional API keys. With none set, the HTTP API is open (the default for a local service).
+
+    Keys come from here or from the environment of the ingress's process (comma-separated):
+    `DIFFUSION_API_KEYS` for users, `DIFFUSION_ADMIN_KEYS` for admins. Every route except
+    `/health` then needs `Authorization: Bearer <key>`; adapter administration needs an admin key.
+    Handle callers are other Ray apps inside the cluster and are not asked for keys.
+    """
+
+    api_keys: list[str] = Field(default_factory=list, repr=False)
+    admin_keys: list[str] = Field(default_factory=list, repr=False)
+    api_keys_env: str = "DIFFUSION_API_KEYS"
+    admin_keys_env: str = "DIFFUSION_ADMIN_KEYS"
+
+
 class AppConfig(_Strict):
     """The `args` of the Serve application (see serve_config.yaml)."""
 
@@ -218,6 +233,7 @@ class AppConfig(_Strict):
     replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
 
     @model_validator(mode="after")

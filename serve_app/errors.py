@@ -47,6 +47,11 @@ class InvalidRequest(ServingError):
     error_type = "invalid_request_error"
 
 
+class Unauthorized(ServingError):
+    status_code = 401
+    error_type = "authentication_error"
+
+
 class Forbidden(ServingError):
     status_code = 403
     error_type = "forbidden"

@@ -8,8 +8,10 @@ and no torch here.
 
 import asyncio
 import base64
+import hmac
 import json
 import logging
+import os
 import random
 import time
 from collections.abc import AsyncIterator
@@ -25,7 +27,16 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app import metrics
 from serve_app.config import AppConfig, Limits
-from serve_app.errors import DeadlineExceeded, InvalidRequest, NotFound, Overloaded, ServingError, Unavailable
+from serve_app.errors import (
+    DeadlineExceeded,
+    Forbidden,
+    InvalidRequest,
+    NotFound,
+    Overloaded,
+    ServingError,
+    Unauthorized,
+    Unavailable,
+)
 from serve_app.lora import Registry, check_adapter_file, check_name
 from serve_app.schemas import (
     MAX_SEED,
@@ -58,6 +69,52 @@ app = FastAPI(
     version="0.1.0",
 )
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 403, 404, 429, 499, 500, 503, 504)}
+
+
+class _Auth:
+    """API keys of this ingress process; set by DiffusionIngress.__init__ (one ingress per process)."""
+
+    user: tuple[str, ...] = ()
+    admin: tuple[str, ...] = ()
+
+
+# Routes that change the server for everyone: admin keys only.
+_ADMIN_ROUTES = (("POST", "/v1/loras"), ("DELETE", "/v1/loras/"))
+
+
+def _is_admin_route(method: str, path: str) -> bool:
+    if method == "POST" and path.startswith("/v1/loras/") and path.endswith("/pin"):
+        return True
+    return any(
+        method == m and (path == p or (p.endswith("/") and path.startswith(p))) for m, p in _ADMIN_ROUTES
+    )
+
+
+def _key_in(key: str, keys: tuple[str, ...]) -> bool:
+    return any(hmac.compare_digest(key.encode(), k.encode()) for k in keys)
+
+
+@app.middleware("http")
+async def _check_api_key(request: Request, call_next):
+    path = request.url.path
+    root = request.scope.get("root_path", "")
+    if root and path.startswith(root):  # the app is mounted under its route prefix
+        path = path[len(root) :] or "/"
+    if not (_Auth.user or _Auth.admin) or path == "/health":
+        return await call_next(request)
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    key = key.strip()
+    if scheme.lower() != "bearer" or not key:
+        err = Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+    elif _key_in(key, _Auth.admin):
+        return await call_next(request)
+    elif not _key_in(key, _Auth.user):
+        err = Unauthorized("invalid API key")
+    elif _is_admin_route(request.method, path):
+        err = Forbidden("this route needs an admin key")
+    else:
+        return await call_next(request)
+    return JSONResponse(err.to_body(), status_code=err.status_code, headers={"WWW-Authenticate": "Bearer"})
 
 
 @app.exception_handler(ServingError)
@@ -139,6 +196,9 @@ class DiffusionIngress:
         self._model_info: dict[str, Any] | None = None
         self._rng = random.SystemRandom()
         self.registry = Registry(self.cfg.lora.registry_path)
+        auth = self.cfg.auth
+        _Auth.user = tuple(auth.api_keys) + _env_keys(auth.api_keys_env)
+        _Auth.admin = tuple(auth.admin_keys) + _env_keys(auth.admin_keys_env)
 
     # ------------------------------------------------------------------ Python API (handle callers)
 
@@ -453,6 +513,10 @@ def _as_serving_error(e: RayError, request_id: str | None) -> ServingError:
         return cause
     logger.warning("request %s: replica call failed: %s", request_id, e)
     return Unavailable(f"replica unavailable: {type(e).__name__}", request_id=request_id)
+
+
+def _env_keys(var: str) -> tuple[str, ...]:
+    return tuple(k.strip() for k in os.environ.get(var, "").split(",") if k.strip())
 
 
 def _request_id() -> str:

@@ -233,3 +233,39 @@ def test_redeploy_lets_accepted_requests_finish(app_factory, base_url, client):
         r = fut.result(180)
     assert r.status_code == 200, r.text
     assert status(client, prefix)["replicas"][0]["replica_id"] != before
+
+
+def test_deadline_gives_504_and_stops_the_work(app_factory, client):
+    prefix = app_factory("deadline", ingress={"request_timeout_s": 1.5})
+    t = time.monotonic()
+    body = {"prompt": "slow", "size": "128x128", "num_inference_steps": 40, "request_id": "late"}
+    r = client.post(f"{prefix}/v1/images/generations", json=body)
+    assert r.status_code == 504 and time.monotonic() - t < 10
+    err = r.json()["error"]
+    assert err["type"] == "timeout" and err["request_id"] == "late" and "1.5s" in err["message"]
+
+    def aborted():
+        s = client.get(f"{prefix}/v1/requests/late").json()
+        return s if s["state"] == "aborted" else None
+
+    st = wait_for(aborted, 30)
+    assert st["step"] < 40
+
+
+def test_overload_on_the_handle_raises_overloaded(app_factory, client):
+    from serve_app.errors import Overloaded
+    from serve_app.schemas import GenerationRequest
+
+    app_factory("bph", replica={"max_ongoing_requests": 1, "max_queued_requests": 1})
+    handle = serve.get_app_handle("bph")
+    reqs = [handle.generate.remote(GenerationRequest(prompt="x", width=64, height=64, num_inference_steps=6))
+            for _ in range(12)]  # fmt: skip
+    outcomes = []
+    for r in reqs:
+        try:
+            r.result()
+            outcomes.append("ok")
+        except Overloaded as e:
+            assert e.status_code == 429
+            outcomes.append("overloaded")
+    assert "overloaded" in outcomes and "ok" in outcomes, outcomes

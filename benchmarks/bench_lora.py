@@ -1,0 +1,128 @@
+"""LoRA serving cost, in one run: two cached adapters alternating vs one adapter, and first loads.
+
+    python benchmarks/bench_lora.py                                        # CPU, embedded model
+    python benchmarks/bench_lora.py --model builtin:sd15-arch --device cuda --size 512 --steps 20
+
+One replica. Closed-loop clients send single-image requests: first all naming adapter A, then
+alternating A and B (both already loaded, so the cost measured is switching, and losing the
+chance to batch across adapters). Also times the first request with a freshly registered
+adapter against a request with a loaded one. Goal: alternating >= 0.9x one adapter.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+async def closed_loop(url: str, clients: int, per_client: int, body: dict, adapters: list[str]) -> float:
+    import httpx
+
+    async with httpx.AsyncClient(base_url=url, timeout=600) as http:
+
+        async def client(c: int) -> None:
+            for i in range(per_client):
+                name = adapters[(c + i) % len(adapters)]
+                r = await http.post(
+                    "/v1/images/generations", json={**body, "seed": i, "lora": {"name": name}}
+                )
+                r.raise_for_status()
+
+        t = time.perf_counter()
+        await asyncio.gather(*(client(c) for c in range(clients)))
+        return clients * per_client / (time.perf_counter() - t)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="builtin:tiny-sd")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--size", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--clients", type=int, default=4)
+    ap.add_argument("--per-client", type=int, default=12)
+    ap.add_argument("--out", default="benchmarks/results/lora.json")
+    a = ap.parse_args()
+
+    import httpx
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+    from serve_app.lora import make_adapter
+
+    work = Path(tempfile.mkdtemp(prefix="bench-lora-"))
+    arch = a.model.removeprefix("builtin:")
+    for name, seed in (("a", 1), ("b", 2), ("c", 3)):
+        make_adapter(str(work / f"{name}.safetensors"), seed=seed, model=arch)
+    ray.init(
+        address="local", include_dashboard=False, log_to_driver=False, num_gpus=1 if a.device == "cuda" else 0
+    )
+    port = 8769
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    args = {
+        "model": {"source": a.model, "device": a.device, "default_height": a.size, "default_width": a.size},
+        "limits": {"max_side": max(2048, a.size), "max_pixels": max(a.size * a.size, 1 << 20)},
+        "replica": {"num_gpus": 1 if a.device == "cuda" else 0, "num_cpus": 0},
+        "lora": {"registry_path": str(work / "registry.json"), "allowed_roots": [str(work)], "max_loaded": 4},
+        "ingress": {"num_cpus": 0},
+    }
+    serve.run(build_app(args), name="bench", route_prefix="/")
+    url = f"http://127.0.0.1:{port}"
+    http = httpx.Client(base_url=url, timeout=600)
+    for name in ("a", "b"):
+        http.post("/v1/loras", json={"name": name, "path": f"{name}.safetensors"}).raise_for_status()
+    body = {"prompt": "a lighthouse", "size": f"{a.size}x{a.size}", "num_inference_steps": a.steps}
+    for name in ("a", "b"):  # load both on the replica
+        http.post("/v1/images/generations", json={**body, "lora": {"name": name}}).raise_for_status()
+
+    one = asyncio.run(closed_loop(url, a.clients, a.per_client, body, ["a"]))
+    alt = asyncio.run(closed_loop(url, a.clients, a.per_client, body, ["a", "b"]))
+
+    http.post("/v1/loras", json={"name": "c", "path": "c.safetensors"}).raise_for_status()
+    first, warm = [], []
+    for i in range(3):
+        # Evict c from the replica by removing and re-adding it, so that every "first" is a real load.
+        if i:
+            http.delete("/v1/loras/c").raise_for_status()
+            http.post("/v1/loras", json={"name": "c", "path": "c.safetensors"}).raise_for_status()
+        t = time.perf_counter()
+        http.post(
+            "/v1/images/generations", json={**body, "seed": i, "lora": {"name": "c"}}
+        ).raise_for_status()
+        first.append((time.perf_counter() - t) * 1e3)
+        t = time.perf_counter()
+        http.post(
+            "/v1/images/generations", json={**body, "seed": i, "lora": {"name": "c"}}
+        ).raise_for_status()
+        warm.append((time.perf_counter() - t) * 1e3)
+    serve.shutdown()
+    ray.shutdown()
+
+    res = {
+        "model": a.model, "device": a.device, "size": a.size, "steps": a.steps, "clients": a.clients,
+        "one_adapter_images_per_s": round(one, 3),
+        "alternating_images_per_s": round(alt, 3),
+        "alternating_vs_one": round(alt / one, 3),
+        "first_request_with_new_adapter_ms": round(sorted(first)[1], 1),
+        "request_with_loaded_adapter_ms": round(sorted(warm)[1], 1),
+        "first_load_cost_ms": round(sorted(first)[1] - sorted(warm)[1], 1),
+    }  # fmt: skip
+    print(f"\n{a.model} on {a.device}, {a.size}x{a.size}, {a.steps} steps, {a.clients} clients")
+    for k, v in res.items():
+        print(f"  {k}: {v}")
+    out = Path(a.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
