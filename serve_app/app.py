@@ -42,6 +42,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         r.max_consecutive_failures,
         r.engine_call_timeout_s,
         cfg.lora.model_dump(),
+        cfg.profiling.trace_dir,
     )
     ing = cfg.ingress
     return DiffusionIngressDeployment.options(

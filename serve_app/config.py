@@ -225,6 +225,12 @@ class AuthConfig(_Strict):
     admin_keys_env: str = "DIFFUSION_ADMIN_KEYS"
 
 
+class ProfilingConfig(_Strict):
+    trace_dir: str = Field(
+        "~/.cache/diffusion-serve/traces", description="Where each replica writes its torch profiler trace."
+    )
+
+
 class AppConfig(_Strict):
     """The `args` of the Serve application (see serve_config.yaml)."""
 
@@ -234,6 +240,7 @@ class AppConfig(_Strict):
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
+    profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
 
     @model_validator(mode="after")

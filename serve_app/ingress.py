@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import random
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -56,7 +57,9 @@ from serve_app.schemas import (
     LoraRef,
     ModelCard,
     ModelList,
+    ProfileStart,
     RequestState,
+    RpcCall,
     StepEvent,
     new_request_id,
 )
@@ -79,7 +82,13 @@ class _Auth:
 
 
 # Routes that change the server for everyone: admin keys only.
-_ADMIN_ROUTES = (("POST", "/v1/loras"), ("DELETE", "/v1/loras/"))
+_ADMIN_ROUTES = (
+    ("POST", "/v1/loras"),
+    ("DELETE", "/v1/loras/"),
+    ("POST", "/start_profile"),
+    ("POST", "/stop_profile"),
+    ("POST", "/v1/rpc"),
+)
 
 
 def _is_admin_route(method: str, path: str) -> bool:
@@ -300,6 +309,35 @@ class DiffusionIngress:
             return self.replica
         return self.replica.options(multiplexed_model_id=request.lora.name)
 
+    # ------------------------------------------------------------------ profiling and collective RPC
+
+    async def start_profile(self, prefix: str = "trace") -> list[dict[str, Any]]:
+        """Every live replica starts the torch profiler; per-replica outcomes."""
+        if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", prefix):
+            raise InvalidRequest("prefix: 1-64 letters, digits, '.', '_' or '-'", param="prefix")
+        return await self._fan_out("start_profile", prefix)
+
+    async def stop_profile(self) -> list[dict[str, Any]]:
+        """Every live replica stops its profiler and writes a trace; the reply lists the files."""
+        return await self._fan_out("stop_profile")
+
+    async def collective_rpc(
+        self, method: str, args: list | None = None, kwargs: dict | None = None, timeout: float | None = None
+    ) -> list[dict[str, Any]]:
+        """Call `method` on every live replica's engine; errors are reported per replica."""
+        return await self._fan_out(
+            "collective_rpc", method, list(args or []), dict(kwargs or {}), timeout=timeout
+        )
+
+    async def _fan_out(self, name: str, *args, timeout: float | None = None) -> list[dict[str, Any]]:
+        """Call every live replica; each answers {replica_id, ok, result | error} and never raises,
+        so one replica's failure is reported for that replica instead of failing the call."""
+        try:
+            results = await self.replica.broadcast(name, *args).results_async(timeout_s=timeout)
+        except TimeoutError:
+            raise DeadlineExceeded(f"{name}: not every replica answered within {timeout}s") from None
+        return sorted(results, key=lambda r: r["replica_id"])
+
     # ------------------------------------------------------------------ LoRA administration
 
     async def add_lora(
@@ -429,6 +467,18 @@ class DiffusionIngress:
     @app.post("/v1/loras/{name}/pin", responses=_ERRORS)
     async def http_pin_lora(self, name: str, body: LoraPin | None = None) -> dict[str, Any]:
         return await self.pin_lora(name, body.pinned if body is not None else True)
+
+    @app.post("/start_profile", responses=_ERRORS)
+    async def http_start_profile(self, body: ProfileStart | None = None) -> list[dict[str, Any]]:
+        return await self.start_profile(body.prefix if body else "trace")
+
+    @app.post("/stop_profile", responses=_ERRORS)
+    async def http_stop_profile(self) -> list[dict[str, Any]]:
+        return await self.stop_profile()
+
+    @app.post("/v1/rpc", responses=_ERRORS)
+    async def http_collective_rpc(self, body: RpcCall) -> list[dict[str, Any]]:
+        return await self.collective_rpc(body.method, body.args, body.kwargs, body.timeout)
 
     @app.get("/v1/status")
     async def get_status(self) -> dict[str, Any]:

@@ -79,6 +79,7 @@ class DiffusionReplica:
         max_consecutive_failures: int = 5,
         engine_call_timeout_s: float = 900.0,
         lora: dict[str, Any] | None = None,
+        trace_dir: str = "~/.cache/diffusion-serve/traces",
     ):
         self.cfg = ModelConfig.model_validate(model)
         self.lora_cfg = LoraConfig.model_validate(lora or {})
@@ -103,6 +104,9 @@ class DiffusionReplica:
         self._max_failures = max_consecutive_failures
         self._consecutive_failures = 0
         self._counts = collections.Counter()
+        self._trace_dir = trace_dir
+        self._profiler = None
+        self._profile_prefix = ""
         self._call_timeout_s = engine_call_timeout_s
         self._call_started: float | None = None
         self._fatal: str | None = None
@@ -518,6 +522,60 @@ class DiffusionReplica:
     def loaded_loras(self) -> dict[str, Any]:
         return {"replica_id": _replica_id(), "loaded": list(self._loras), "pinned": sorted(self._pinned)}
 
+    # ------------------------------------------------------------------ profiling and collective RPC
+
+    async def start_profile(self, prefix: str) -> dict[str, Any]:
+        """Start the torch profiler on the engine thread; a second start is an error."""
+
+        async def start():
+            if self._profiler is not None:
+                raise InvalidRequest("profiling is already running on this replica; stop it first")
+
+            def begin():
+                from torch.profiler import ProfilerActivity, profile
+
+                cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+                prof = profile(activities=[ProfilerActivity.CPU, *cuda], record_shapes=True)
+                prof.__enter__()
+                return prof
+
+            self._profiler = await self._on_engine(begin)
+            self._profile_prefix = prefix
+            return {"profiling": True}
+
+        return await _outcome(start())
+
+    async def stop_profile(self) -> dict[str, Any]:
+        """Stop the profiler and write its Chrome trace; stopping without a start is an error."""
+
+        async def stop():
+            prof, self._profiler = self._profiler, None
+            if prof is None:
+                raise InvalidRequest("profiling is not running on this replica; start it first")
+            name = f"{self._profile_prefix}-{_replica_id()}-{int(time.time())}.json"
+            path = os.path.join(os.path.expanduser(self._trace_dir), name)
+
+            def end():
+                prof.__exit__(None, None, None)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                prof.export_chrome_trace(path)
+
+            await self._on_engine(end)
+            return {"trace": path}
+
+        return await _outcome(stop())
+
+    async def collective_rpc(self, method: str, args: list, kwargs: dict) -> dict[str, Any]:
+        """Call an engine method (or its worker extension's) on the engine thread, on this replica."""
+
+        async def call():
+            fn = getattr(self.engine, method, None) if not method.startswith("_") else None
+            if not callable(fn):
+                raise InvalidRequest(f"method: the engine has no public method {method!r}", param="method")
+            return await self._on_engine(lambda: fn(*args, **kwargs))
+
+        return await _outcome(call())
+
     # ------------------------------------------------------------------ control and health
 
     def describe(self) -> dict[str, Any]:
@@ -594,6 +652,18 @@ def _replica_id() -> str:
         return serve.get_replica_context().replica_id.unique_id
     except Exception:  # outside a Serve replica (the engine tests)
         return "local"
+
+
+async def _outcome(coro) -> dict[str, Any]:
+    """A control call's answer from this replica: its result, or its error, never an exception."""
+    try:
+        return {"replica_id": _replica_id(), "ok": True, "result": await coro}
+    except Exception as e:
+        return {
+            "replica_id": _replica_id(),
+            "ok": False,
+            "error": f"{type(e).__name__}: {getattr(e, 'message', e)}",
+        }
 
 
 def _lora_key(request) -> tuple[str, float] | None:

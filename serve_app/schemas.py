@@ -392,6 +392,19 @@ class LoraPin(_Wire):
     pinned: bool = True
 
 
+class ProfileStart(_Wire):
+    prefix: str = Field("trace", description="Trace files are named <prefix>-<replica id>-<time>.json.")
+
+
+class RpcCall(_Wire):
+    """Body of `POST /v1/rpc`: call an engine (or worker extension) method on every replica."""
+
+    method: str
+    args: list[Any] = Field(default_factory=list)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    timeout: float | None = Field(None, gt=0)
+
+
 class AbortResponse(BaseModel):
     request_id: str
     result: Literal["aborted", "finished", "unknown"]

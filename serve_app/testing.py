@@ -16,6 +16,10 @@ class FaultInjection:
     every other request runs the real pipeline.
     """
 
+    def ping(self, value=None):
+        """A worker-extension method for collective RPC tests: answers from this engine."""
+        return {"pong": value, "model": self.model_name}
+
     def run(self, rows, params, step_hook=None):
         for row in rows:
             if OOM_MARKER in row.prompt:

@@ -52,6 +52,8 @@ def test_admin_routes_need_an_admin_key(auth_app, client):
         ("POST", "/v1/loras", {"json": body}),
         ("DELETE", "/v1/loras/a", {}),
         ("POST", "/v1/loras/a/pin", {}),
+        ("POST", "/v1/rpc", {"json": {"method": "describe"}}),
+        ("POST", "/stop_profile", {}),
     ):
         r = client.request(method, auth_app + path, headers=hdr(USER), **kw)
         assert r.status_code == 403 and "admin key" in r.json()["error"]["message"], (path, r.text)
