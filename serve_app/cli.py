@@ -1,0 +1,195 @@
+"""`diffusion-serve`: a command-line client for a running server (standard library only).
+
+    diffusion-serve generate "a lighthouse at dawn" -o out.png --steps 30 --seed 1
+    diffusion-serve lora add red red.safetensors --scale 0.8 | lora list | lora rm red | lora pin red
+    diffusion-serve status
+
+The server is `--url` (default $DIFFUSION_SERVE_URL or http://127.0.0.1:8000); `--api-key`
+(default $DIFFUSION_API_KEY) is sent as a bearer token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+
+class ClientError(Exception):
+    pass
+
+
+class Client:
+    def __init__(self, url: str, api_key: str | None):
+        self.url = url.rstrip("/")
+        self.api_key = api_key
+
+    def _request(self, method: str, path: str, body: dict | None = None):
+        headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + path, data=data, headers=headers, method=method)
+        try:
+            return urllib.request.urlopen(req, timeout=600)
+        except urllib.error.HTTPError as e:
+            try:
+                err = json.loads(e.read())["error"]
+                msg = err["message"]
+            except Exception:
+                msg = e.reason
+            raise ClientError(f"server answered {e.code}: {msg}") from None
+        except (urllib.error.URLError, ConnectionError, TimeoutError) as e:
+            reason = getattr(e, "reason", e)
+            raise ClientError(
+                f"cannot reach the server at {self.url} ({reason}); is it running? "
+                "(serve run serve_config.yaml)"
+            ) from None
+
+    def json(self, method: str, path: str, body: dict | None = None) -> Any:
+        with self._request(method, path, body) as r:
+            return json.loads(r.read())
+
+    def stream(self, path: str, body: dict):
+        """Yield the JSON events of a Server-Sent Events answer."""
+        with self._request("POST", path, body) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                payload = line[len("data: ") :]
+                if payload == "[DONE]":
+                    return
+                yield json.loads(payload)
+
+
+def _progress(step: int, total: int, started: float) -> None:
+    width = 30
+    done = int(width * step / total)
+    sys.stderr.write(
+        f"\r[{'#' * done}{'.' * (width - done)}] {step}/{total} steps  {time.monotonic() - started:5.1f}s"
+    )
+    sys.stderr.flush()
+
+
+def cmd_generate(c: Client, a: argparse.Namespace) -> None:
+    body: dict[str, Any] = {"prompt": a.prompt, "n": a.n, "stream": True, "output_format": a.format}
+    for key, value in (("size", a.size), ("num_inference_steps", a.steps), ("seed", a.seed),
+                       ("guidance_scale", a.guidance), ("negative_prompt", a.negative)):  # fmt: skip
+        if value is not None:
+            body[key] = value
+    if a.lora:
+        name, _, scale = a.lora.partition(":")
+        body["lora"] = {"name": name, **({"scale": float(scale)} if scale else {})}
+    started = time.monotonic()
+    result = None
+    for event in c.stream("/v1/images/generations", body):
+        if event["type"] == "step":
+            if not a.quiet:
+                _progress(event["step"], event["total_steps"], started)
+        elif event["type"] == "error":
+            raise ClientError(f"generation failed: {event['error']['message']}")
+        elif event["type"] == "result":
+            result = event
+    if not a.quiet:
+        sys.stderr.write("\n")
+    if result is None:
+        raise ClientError("the server closed the stream without a result")
+    stem, ext = os.path.splitext(a.output)
+    for i, item in enumerate(result["data"]):
+        path = a.output if len(result["data"]) == 1 else f"{stem}-{i}{ext}"
+        with open(path, "wb") as f:
+            f.write(base64.b64decode(item["b64_json"]))
+        print(
+            f"{path}  seed {item['seed']}  ({result['request_id']}, {result['metrics']['total_ms']:.0f} ms)"
+        )
+
+
+def cmd_lora(c: Client, a: argparse.Namespace) -> None:
+    if a.lora_cmd == "add":
+        out = c.json("POST", "/v1/loras", {"name": a.name, "path": a.path, "scale": a.scale, "pinned": a.pin})
+        print(
+            f"added {out['name']} ({out['path']}, scale {out['scale']}{', pinned' if out['pinned'] else ''})"
+        )
+    elif a.lora_cmd == "list":
+        out = c.json("GET", "/v1/loras")
+        if not out["adapters"]:
+            print("no adapters registered")
+        for ad in out["adapters"]:
+            held = sum(ad["name"] in r["loaded"] for r in out["replicas"])
+            pin = "pinned" if ad["pinned"] else ""
+            n = len(out["replicas"])
+            print(f"{ad['name']:<20} scale {ad['scale']:<5} {pin:<7} on {held}/{n} replicas  {ad['path']}")
+    elif a.lora_cmd == "rm":
+        out = c.json("DELETE", f"/v1/loras/{a.name}")
+        print(f"removed {a.name} (evicted from {out['evicted_from_replicas']} replicas)")
+    elif a.lora_cmd == "pin":
+        c.json("POST", f"/v1/loras/{a.name}/pin", {"pinned": not a.unpin})
+        print(f"{'unpinned' if a.unpin else 'pinned'} {a.name}")
+
+
+def cmd_status(c: Client, a: argparse.Namespace) -> None:
+    out = c.json("GET", "/v1/status")
+    print(f"model {out['model']}: {len(out['replicas'])} replicas, queue length {out['queue_length']}")
+    for r in out["replicas"]:
+        health = "healthy" if r["healthy"] else f"UNHEALTHY ({r['health_problem']})"
+        queued = f"queued {r['queued_requests']} req / {r['queued_images']} img"
+        running = f"running {r['running_requests']} req / {r['running_images']} img"
+        print(f"  {r['replica_id']}: {health}; {queued}, {running}; adapters {r['loras_loaded']}")
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="diffusion-serve", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default=os.environ.get("DIFFUSION_SERVE_URL", "http://127.0.0.1:8000"))
+    ap.add_argument("--api-key", default=os.environ.get("DIFFUSION_API_KEY"))
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="make an image, with a progress bar")
+    g.add_argument("prompt")
+    g.add_argument("-o", "--output", default="out.png")
+    g.add_argument("--steps", type=int)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--size", help="WIDTHxHEIGHT")
+    g.add_argument("--guidance", type=float)
+    g.add_argument("--negative")
+    g.add_argument("-n", type=int, default=1)
+    g.add_argument("--format", default="png", choices=["png", "jpeg", "webp"])
+    g.add_argument("--lora", help="NAME or NAME:SCALE")
+    g.add_argument("-q", "--quiet", action="store_true")
+    lo = sub.add_parser("lora", help="manage LoRA adapters")
+    lsub = lo.add_subparsers(dest="lora_cmd", required=True)
+    add = lsub.add_parser("add")
+    add.add_argument("name")
+    add.add_argument("path")
+    add.add_argument("--scale", type=float, default=1.0)
+    add.add_argument("--pin", action="store_true")
+    lsub.add_parser("list")
+    rm = lsub.add_parser("rm")
+    rm.add_argument("name")
+    pin = lsub.add_parser("pin")
+    pin.add_argument("name")
+    pin.add_argument("--unpin", action="store_true")
+    sub.add_parser("status", help="replicas, queues, health")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
+    c = Client(a.url, a.api_key)
+    try:
+        {"generate": cmd_generate, "lora": cmd_lora, "status": cmd_status}[a.cmd](c, a)
+    except ClientError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,47 @@
+"""The `diffusion-serve` console script against the shared app, as a user runs it."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from PIL import Image
+
+from tests.conftest import free_port
+
+EXE = shutil.which("diffusion-serve", path=str(Path(sys.executable).parent)) or "diffusion-serve"
+
+
+def run(*args, url):
+    return subprocess.run([EXE, "--url", url, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_generate_with_progress_bar_writes_the_image(base_url, tmp_path):
+    out = tmp_path / "cat.png"
+    r = run(
+        "generate", "a cat", "-o", str(out), "--steps", "5", "--seed", "3", "--size", "48x32", url=base_url
+    )
+    assert r.returncode == 0, r.stderr
+    assert "5/5 steps" in r.stderr and "seed 3" in r.stdout
+    assert Image.open(out).size == (48, 32)
+    r = run("generate", "two", "-o", str(tmp_path / "two.png"), "-n", "2", "-q", url=base_url)
+    assert r.returncode == 0 and (tmp_path / "two-0.png").exists() and (tmp_path / "two-1.png").exists()
+
+
+def test_status_and_lora_list(base_url):
+    r = run("status", url=base_url)
+    assert r.returncode == 0 and "healthy" in r.stdout and "model tiny-sd" in r.stdout
+    r = run("lora", "list", url=base_url)
+    assert r.returncode == 0, r.stderr
+
+
+def test_clear_messages_on_errors(base_url, tmp_path):
+    r = run("generate", "x", "--size", "13x13", "-o", str(tmp_path / "x.png"), url=base_url)
+    assert r.returncode == 1 and "server answered 400" in r.stderr and "multiple of 8" in r.stderr
+    r = run("lora", "rm", "no-such", url=base_url)
+    assert r.returncode == 1 and "404" in r.stderr
+    down = f"http://127.0.0.1:{free_port()}"
+    r = run("status", url=down)
+    assert r.returncode == 1 and "cannot reach the server" in r.stderr and "Traceback" not in r.stderr
