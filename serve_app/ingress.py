@@ -16,11 +16,12 @@ import random
 import re
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import NodeDiedError, RayActorError, RayError, RayTaskError, WorkerCrashedError
 from ray.serve.exceptions import BackPressureError
@@ -71,6 +72,7 @@ app = FastAPI(
     description="Diffusion image models on Ray Serve; the image routes follow the OpenAI Images API.",
     version="0.1.0",
 )
+_PLAYGROUND = (Path(__file__).parent / "playground.html").read_text()
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 403, 404, 429, 499, 500, 503, 504)}
 
 
@@ -109,7 +111,7 @@ async def _check_api_key(request: Request, call_next):
     root = request.scope.get("root_path", "")
     if root and path.startswith(root):  # the app is mounted under its route prefix
         path = path[len(root) :] or "/"
-    if not (_Auth.user or _Auth.admin) or path == "/health":
+    if not (_Auth.user or _Auth.admin) or path == "/health" or (path == "/" and request.method == "GET"):
         return await call_next(request)
     scheme, _, key = request.headers.get("authorization", "").partition(" ")
     key = key.strip()
@@ -483,6 +485,11 @@ class DiffusionIngress:
     @app.get("/v1/status")
     async def get_status(self) -> dict[str, Any]:
         return await self.status()
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def playground(self) -> HTMLResponse:
+        """The playground page: static, no data in it, so it needs no key (its calls send one)."""
+        return HTMLResponse(_PLAYGROUND)
 
     @app.get("/health")
     async def health(self) -> dict[str, str]:

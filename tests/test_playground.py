@@ -1,0 +1,54 @@
+"""The playground page in headless Chromium (Debian's `chromium`, driven by Playwright) on loopback."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+        "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def page(app):
+    if CHROMIUM is None:
+        pytest.fail("Debian's chromium is not installed: .ci/run installs it (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        yield browser.new_page()
+        browser.close()
+
+
+def test_generate_shows_progress_and_the_image(page, base_url, client):
+    page.goto(base_url + "/")
+    page.wait_for_function("document.getElementById('model').textContent.includes('tiny-sd')")
+    page.fill("#prompt", "a red fox in the browser")
+    page.fill("#steps", "6")
+    page.fill("#seed", "5")
+    page.click("#generate")
+    page.wait_for_function("!document.getElementById('result').hidden", timeout=60_000)
+    src = page.get_attribute("#result", "src")
+    assert src.startswith("data:image/png;base64,")
+    assert page.eval_on_selector("#bar", "b => [b.value, b.max]") == [6, 6]
+    assert page.get_attribute("#preview", "src").startswith("data:image/png;base64,")
+    assert "seed 5" in page.text_content("#status")
+    body = {"prompt": "a red fox in the browser", "num_inference_steps": 6, "seed": 5}
+    same = client.post("/v1/images/generations", json=body).json()
+    assert src.split(",", 1)[1] == same["data"][0]["b64_json"]
+
+
+def test_cancel_aborts_a_long_generation(page, base_url, client):
+    page.goto(base_url + "/")
+    page.fill("#prompt", "a long one from the browser")
+    page.fill("#size", "128x128")
+    page.fill("#steps", "40")
+    page.click("#generate")
+    page.wait_for_function("document.getElementById('bar').value >= 1", timeout=60_000)
+    page.click("#cancel")
+    page.wait_for_function("document.getElementById('status').textContent === 'aborted'", timeout=30_000)
+    assert page.is_hidden("#result")
+    assert page.text_content("#error") == ""
