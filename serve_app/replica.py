@@ -68,7 +68,9 @@ class _Job:
     @property
     def batch_key(self) -> tuple:
         # SDXL treats an absent negative prompt differently from an empty one: keep them apart.
-        return (self.params, self.request.negative_prompt is None)
+        embeds = getattr(self.request, "prompt_embeds", None)
+        negative = getattr(self.request, "negative_prompt_embeds", None)
+        return (self.params, self.request.negative_prompt is None, embeds is None, negative is None)
 
 
 class DiffusionReplica:
@@ -158,7 +160,14 @@ class DiffusionReplica:
             raise InvalidRequest(str(e), param="extra", request_id=rid) from None
         if rid in self._jobs:
             raise InvalidRequest(f"request_id: {rid!r} is already queued or running", param="request_id")
-        job = self._make_job(request, preview_every)
+        embeds = _embeds(request)
+        for t in embeds:
+            if t is not None:
+                try:
+                    self.engine.check_embeds(t)
+                except ValueError as e:
+                    raise InvalidRequest(str(e), param="prompt_embeds", request_id=rid) from None
+        job = self._make_job(request, preview_every, *embeds)
         self._ensure_loop()
         self._queue.append(job)
         self._jobs[rid] = job
@@ -179,11 +188,15 @@ class DiffusionReplica:
         )
         return self._result(job, output, *images)
 
-    def _make_job(self, request: BatchGenerationRequest, preview_every: int) -> _Job:
+    def _make_job(
+        self, request: BatchGenerationRequest, preview_every: int, embeds=None, negative=None
+    ) -> _Job:
         seed = request.seed if request.seed is not None else 0
         n = request.num_images
         rows = [
-            Row(prompt, request.negative_prompt, seed + k) for prompt in request.prompts for k in range(n)
+            Row(prompt, request.negative_prompt, seed + k, embeds, negative)
+            for prompt in request.prompts
+            for k in range(n)
         ]
         params = CallParams(
             height=request.height or self.engine.default_height,
@@ -664,6 +677,16 @@ async def _outcome(coro) -> dict[str, Any]:
             "ok": False,
             "error": f"{type(e).__name__}: {getattr(e, 'message', e)}",
         }
+
+
+def _embeds(request) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Prompt embeddings of a handle caller, as (1, tokens, hidden) tensors."""
+    out = []
+    for name in ("prompt_embeds", "negative_prompt_embeds"):
+        payload = getattr(request, name, None)
+        t = payload.to_torch() if payload is not None else None
+        out.append(t.unsqueeze(0) if t is not None and t.dim() == 2 else t)
+    return out[0], out[1]
 
 
 def _lora_key(request) -> tuple[str, float] | None:

@@ -163,9 +163,25 @@ class GenerationParams(_Wire):
 
 
 class GenerationRequest(GenerationParams):
-    """One prompt; `num_images` images of it."""
+    """One prompt; `num_images` images of it.
 
-    prompt: Prompt
+    Instead of text, a handle caller (an upstream language-model stage, say) may pass
+    `prompt_embeds` (and `negative_prompt_embeds`) of the shape the model's text encoder makes,
+    (1, tokens, hidden); `prompt` is then only a label.
+    """
+
+    prompt_embeds: TensorPayload | None = None
+    negative_prompt_embeds: TensorPayload | None = None
+    prompt: str = ""  # after the embeddings, so that its check can see them
+
+    @field_validator("prompt")
+    @classmethod
+    def _text_or_embeds(cls, v: str, info) -> str:
+        if info.data.get("prompt_embeds") is None:
+            _check_prompt(v)
+            if info.data.get("negative_prompt_embeds") is not None:
+                raise ValueError("negative_prompt_embeds needs prompt_embeds too")
+        return v
 
     @property
     def prompts(self) -> list[str]:

@@ -67,3 +67,29 @@ def test_engine_failure_raises_a_typed_error_with_the_request_id(handle):
         handle.generate.remote(GenerationRequest(prompt=FAIL_MARKER, request_id="py-fail")).result()
     assert info.value.status_code == 500 and info.value.request_id == "py-fail"
     assert handle.generate.remote(GenerationRequest(prompt="still serving")).result().images
+
+
+def test_prompt_embeds_instead_of_text(handle):
+    import torch
+
+    from serve_app.engine.builtin import build_builtin
+    from serve_app.errors import InvalidRequest
+    from serve_app.schemas import TensorPayload
+
+    pipe = build_builtin("tiny-sd")  # the same seeded weights as the served model
+    with torch.no_grad():
+        embeds, _ = pipe.encode_prompt("a red cat", "cpu", 1, False)
+    by_text = handle.generate.remote(GenerationRequest(prompt="a red cat", seed=8)).result()
+    by_embeds = handle.generate.remote(
+        GenerationRequest(prompt_embeds=TensorPayload.from_tensor(embeds), seed=8)
+    ).result()
+    a, b = (np.asarray(r.pil_images()[0]).astype(int) for r in (by_text, by_embeds))
+    assert np.abs(a - b).max() <= 1
+    with pytest.raises(
+        InvalidRequest, match=r"shape \(1, 5, 32\) does not fit this model, which wants \(1, 77, 32\)"
+    ):
+        handle.generate.remote(
+            GenerationRequest(prompt_embeds=TensorPayload.from_tensor(embeds[:, :5]))
+        ).result()
+    with pytest.raises(ValueError, match="must not be empty"):
+        GenerationRequest(prompt="")

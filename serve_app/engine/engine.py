@@ -48,6 +48,8 @@ class Row:
     prompt: str
     negative_prompt: str | None
     seed: int
+    prompt_embeds: torch.Tensor | None = None  # (1, tokens, hidden) instead of the prompt's text
+    negative_prompt_embeds: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -321,6 +323,42 @@ class DiffusionEngine:
         named = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
         return named - RESERVED_EXTRA_KEYS
 
+    def _text_inputs(self, rows: Sequence[Row]) -> dict[str, Any]:
+        """The call's text arguments: prompts, or precomputed embeddings (every row or none)."""
+        if rows[0].prompt_embeds is None:
+            negatives = [r.negative_prompt for r in rows]
+            return {
+                "prompt": [r.prompt for r in rows],
+                "negative_prompt": None
+                if all(n is None for n in negatives)
+                else [n or "" for n in negatives],
+            }
+        cast = {"device": self.device, "dtype": self.dtype}
+        out = {"prompt_embeds": torch.cat([r.prompt_embeds for r in rows]).to(**cast)}
+        if all(r.negative_prompt_embeds is not None for r in rows):
+            out["negative_prompt_embeds"] = torch.cat([r.negative_prompt_embeds for r in rows]).to(**cast)
+        return out
+
+    def check_embeds(self, embeds: torch.Tensor) -> None:
+        """Refuse embeddings this pipeline cannot take, naming the shape it wants."""
+        params = inspect.signature(self.pipe.__call__).parameters
+        if "prompt_embeds" not in params:
+            raise ValueError(f"prompt_embeds: {type(self.pipe).__name__} takes no prompt embeddings")
+        if "pooled_prompt_embeds" in params:
+            raise ValueError(
+                f"prompt_embeds: {type(self.pipe).__name__} also needs pooled embeddings, which this API "
+                "does not carry yet; send text"
+            )
+        enc = getattr(self.pipe, "text_encoder", None)
+        tok = getattr(self.pipe, "tokenizer", None)
+        want = (
+            (1, tok.model_max_length, enc.config.hidden_size) if enc is not None and tok is not None else None
+        )
+        if want is not None and tuple(embeds.shape) != want:
+            raise ValueError(
+                f"prompt_embeds: shape {tuple(embeds.shape)} does not fit this model, which wants {want}"
+            )
+
     def check_extra(self, extra: dict[str, Any]) -> None:
         """Refuse `extra` keys the pipeline's call does not name (diffusers drops them silently)."""
         unknown = sorted(set(extra) - self._call_args)
@@ -433,14 +471,13 @@ class DiffusionEngine:
             return {}
 
         self._apply_lora(params.lora)
-        negatives = [r.negative_prompt for r in rows]
+        text = self._text_inputs(rows)
         generators = [torch.Generator(self.device).manual_seed(r.seed) for r in rows]
         self._state = st
         self._memory.start()
         try:
             images = self.pipe(
-                prompt=[r.prompt for r in rows],
-                negative_prompt=None if all(n is None for n in negatives) else [n or "" for n in negatives],
+                **text,
                 height=params.height,
                 width=params.width,
                 num_inference_steps=params.steps,
