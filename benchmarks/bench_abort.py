@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+from common import start_app, stop_app, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -33,16 +33,8 @@ def main() -> None:
     a = ap.parse_args()
 
     import httpx
-    import ray
-    from ray import serve
 
-    from serve_app.app import build_app
-
-    ray.init(
-        address="local", include_dashboard=False, log_to_driver=False, num_gpus=1 if a.device == "cuda" else 0
-    )
     port = 8768
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     model = {"source": a.model, "device": a.device, "default_height": a.size, "default_width": a.size}
     args = {
         "model": model,
@@ -55,7 +47,7 @@ def main() -> None:
         "batching": {"batch_wait_ms": 0},
         "ingress": {"num_cpus": 0},
     }
-    serve.run(build_app(args), name="bench", route_prefix="/")
+    start_app(args, a.device, port)
     url = f"http://127.0.0.1:{port}"
     http = httpx.Client(base_url=url, timeout=600)
     body = {"prompt": "long", "size": f"{a.size}x{a.size}", "num_inference_steps": a.steps}
@@ -86,8 +78,7 @@ def main() -> None:
         free_ms.append((probe_call.result() - t0) * 1e3)
         pool.shutdown()
         assert aborted.status_code == 499, aborted.text
-    serve.shutdown()
-    ray.shutdown()
+    stop_app()
 
     med = statistics.median
     res = {
@@ -102,10 +93,7 @@ def main() -> None:
     print(f"abort -> aborted caller answer: p50 {res['abort_to_caller_answer_ms_p50']:8.1f} ms")
     print(f"abort -> probe done (free):     p50 {res['abort_to_device_free_ms_p50']:8.1f} ms, "
           f"max {res['abort_to_device_free_ms_max']:.1f} ms (with the probe's own 1-step run)")  # fmt: skip
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
-    print(f"wrote {out}")
+    write_json(res, a.out)
 
 
 def http_post(url: str, body: dict):

@@ -12,11 +12,9 @@ in the same run by an echo deployment. Writes the figures as JSON (`--out`).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
-from pathlib import Path
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
@@ -45,6 +43,9 @@ def summary(ms: list[float]) -> dict:
     }
 
 
+from common import start_app, stop_app, write_json  # noqa: E402
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="builtin:tiny-sd")
@@ -56,11 +57,9 @@ def main() -> None:
     a = ap.parse_args()
 
     import httpx
-    import ray
     import torch
     from ray import serve
 
-    from serve_app.app import build_app
     from serve_app.config import ModelConfig
     from serve_app.engine import CallParams, DiffusionEngine, Row, encode_images
     from serve_app.schemas import GenerationRequest
@@ -71,18 +70,14 @@ def main() -> None:
 
     # Ray and Serve come up first, so that the raw pipeline in this process is timed on the same
     # machine state (Ray's own processes running) as the served paths.
-    ray.init(
-        address="local", include_dashboard=False, log_to_driver=False, num_gpus=1 if a.device == "cuda" else 0
-    )
     port = 8765
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {
         "model": {**model, "warmup": True},
         "limits": {"max_side": max(2048, a.size), "max_pixels": max(a.size * a.size, 1 << 20)},
         "replica": {"num_gpus": 1 if a.device == "cuda" else 0, "num_cpus": 0},
         "ingress": {"num_cpus": 0},
     }
-    handle = serve.run(build_app(args), name="bench", route_prefix="/")
+    handle = start_app(args, a.device, port)
 
     @serve.deployment(ray_actor_options={"num_cpus": 0})
     class Echo:
@@ -131,8 +126,7 @@ def main() -> None:
                 paths[k] += timed(fn, 5, warm=0)
         paths["echo_handle"] = timed(lambda: echo.echo.remote().result(), 100)
         paths["echo_http"] = timed(lambda: http.get("/echo").raise_for_status(), 100)
-    serve.shutdown()
-    ray.shutdown()
+    stop_app()
 
     res["paths"] = {k: summary(v) for k, v in paths.items()}
     raw50 = res["paths"]["raw_pipeline"]["p50_ms"]
@@ -152,10 +146,7 @@ def main() -> None:
     o = res["overhead_p50_ms"]
     print(f"served minus raw at p50: handle {o['handle']:+.2f} ms (floor {o['floor_handle']:.2f}), "
           f"http {o['http']:+.2f} ms (floor {o['floor_http']:.2f}); goal: floor + 3 ms")  # fmt: skip
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
-    print(f"wrote {out}")
+    write_json(res, a.out)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import tempfile
 import time
@@ -40,6 +39,9 @@ async def closed_loop(url: str, clients: int, per_client: int, body: dict, adapt
         return clients * per_client / (time.perf_counter() - t)
 
 
+from common import start_app, stop_app, write_json  # noqa: E402
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="builtin:tiny-sd")
@@ -52,21 +54,14 @@ def main() -> None:
     a = ap.parse_args()
 
     import httpx
-    import ray
-    from ray import serve
 
-    from serve_app.app import build_app
     from serve_app.lora import make_adapter
 
     work = Path(tempfile.mkdtemp(prefix="bench-lora-"))
     arch = a.model.removeprefix("builtin:")
     for name, seed in (("a", 1), ("b", 2), ("c", 3)):
         make_adapter(str(work / f"{name}.safetensors"), seed=seed, model=arch)
-    ray.init(
-        address="local", include_dashboard=False, log_to_driver=False, num_gpus=1 if a.device == "cuda" else 0
-    )
     port = 8769
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {
         "model": {"source": a.model, "device": a.device, "default_height": a.size, "default_width": a.size},
         "limits": {"max_side": max(2048, a.size), "max_pixels": max(a.size * a.size, 1 << 20)},
@@ -74,7 +69,7 @@ def main() -> None:
         "lora": {"registry_path": str(work / "registry.json"), "allowed_roots": [str(work)], "max_loaded": 4},
         "ingress": {"num_cpus": 0},
     }
-    serve.run(build_app(args), name="bench", route_prefix="/")
+    start_app(args, a.device, port)
     url = f"http://127.0.0.1:{port}"
     http = httpx.Client(base_url=url, timeout=600)
     for name in ("a", "b"):
@@ -103,8 +98,7 @@ def main() -> None:
             "/v1/images/generations", json={**body, "seed": i, "lora": {"name": "c"}}
         ).raise_for_status()
         warm.append((time.perf_counter() - t) * 1e3)
-    serve.shutdown()
-    ray.shutdown()
+    stop_app()
 
     res = {
         "model": a.model, "device": a.device, "size": a.size, "steps": a.steps, "clients": a.clients,
@@ -118,10 +112,7 @@ def main() -> None:
     print(f"\n{a.model} on {a.device}, {a.size}x{a.size}, {a.steps} steps, {a.clients} clients")
     for k, v in res.items():
         print(f"  {k}: {v}")
-    out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(res, indent=1))
-    print(f"wrote {out}")
+    write_json(res, a.out)
 
 
 if __name__ == "__main__":

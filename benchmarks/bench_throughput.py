@@ -119,6 +119,9 @@ def plot(res: dict, path: Path) -> None:
     img.save(path)
 
 
+from common import start_app, stop_app  # noqa: E402
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="builtin:tiny-sd")
@@ -134,21 +137,14 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results/throughput")
     a = ap.parse_args()
 
-    import ray
     import torch
-    from ray import serve
 
-    from serve_app.app import build_app
     from serve_app.config import ModelConfig
     from serve_app.engine import DiffusionEngine
 
     top = max(a.sizes)
     model = {"source": a.model, "device": a.device, "default_height": top, "default_width": top}
-    ray.init(
-        address="local", include_dashboard=False, log_to_driver=False, num_gpus=1 if a.device == "cuda" else 0
-    )
     port = 8766
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
     args = {
         "model": model,
         "limits": {"max_side": max(2048, top), "max_pixels": max(top * top, 1 << 20), "max_images": 16},
@@ -156,7 +152,7 @@ def main() -> None:
         "batching": {"max_batch_images": 16, "batch_wait_ms": a.batch_wait_ms},
         "ingress": {"num_cpus": 0},
     }
-    serve.run(build_app(args), name="bench", route_prefix="/")
+    start_app(args, a.device, port)
     url = f"http://127.0.0.1:{port}"
 
     engine = DiffusionEngine(ModelConfig(**model, warmup=False))
@@ -190,8 +186,7 @@ def main() -> None:
             "raw_bs8_gain_over_bs1": round(by[8]["images_per_s"] / by[1]["images_per_s"], 3),
         }
         res["sizes"].append({"size": size, "raw": raw, "served": served, "ratios": ratios})
-    serve.shutdown()
-    ray.shutdown()
+    stop_app()
     del torch
 
     for s in res["sizes"]:

@@ -49,4 +49,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         num_replicas=ing.num_replicas,
         ray_actor_options={"num_cpus": ing.num_cpus, "resources": ing.resources},
         max_ongoing_requests=ing.max_ongoing_requests,
+        # An ingress replica being replaced (redeploy, scale-down) keeps answering what it holds:
+        # no accepted request outlives its deadline, so draining that long loses none.
+        graceful_shutdown_timeout_s=ing.request_timeout_s,
     ).bind(replica, cfg.model_dump())

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 import tempfile
+import time
 from pathlib import Path
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -44,6 +45,17 @@ TEST_ARGS = {
     "lora": {"registry_path": str(SESSION_DIR / "registry.json"), "allowed_roots": [str(ADAPTER_DIR)],
              "max_loaded": 2, "max_file_mb": 1},
 }  # fmt: skip
+
+
+def wait_for(pred, timeout: float = 60.0, interval: float = 0.05):
+    """Poll `pred` until it returns something truthy; return that, or fail after `timeout` s."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        v = pred()
+        if v:
+            return v
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s")
 
 
 def free_port() -> int:

@@ -20,7 +20,7 @@ from ray import serve
 
 from serve_app.app import build_app
 from serve_app.testing import FATAL_MARKER
-from tests.conftest import TEST_ARGS
+from tests.conftest import TEST_ARGS, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -48,16 +48,6 @@ def app_factory(ray_cluster):
 
 def status(client, prefix) -> dict:
     return client.get(f"{prefix}/v1/status").json()
-
-
-def wait_for(pred, timeout, interval=0.25):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(interval)
-    raise AssertionError(f"condition not met within {timeout}s")
 
 
 def replica_actors(app: str) -> list[str]:

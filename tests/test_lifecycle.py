@@ -14,6 +14,7 @@ import pytest
 
 from serve_app.errors import Aborted
 from serve_app.schemas import GenerationRequest, GenerationResult, StepEvent
+from tests.conftest import wait_for
 
 GEN = "/v1/images/generations"
 # A request that runs for many seconds on the tiny model (about half a second per step at 128x128).
@@ -27,16 +28,6 @@ def rid(prefix: str) -> str:
 def state(client, request_id: str) -> dict | None:
     r = client.get(f"/v1/requests/{request_id}")
     return r.json() if r.status_code == 200 else None
-
-
-def wait_for(pred, timeout=60.0, interval=0.05):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        v = pred()
-        if v:
-            return v
-        time.sleep(interval)
-    raise AssertionError("condition not met in time")
 
 
 class Background:

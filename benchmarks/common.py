@@ -1,0 +1,39 @@
+"""What every benchmark script shares: a local Ray with the app on loopback, and the JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def start_app(args: dict[str, Any], device: str, port: int):
+    """A fresh local Ray (never a cluster already running here), Serve on `port`, the app at `/`."""
+    import ray
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    ray.init(
+        address="local", include_dashboard=False, log_to_driver=False, num_gpus=1 if device == "cuda" else 0
+    )
+    serve.start(http_options={"host": "127.0.0.1", "port": port})
+    return serve.run(build_app(args), name="bench", route_prefix="/")
+
+
+def stop_app() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+def write_json(res: dict[str, Any], out: str) -> None:
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(res, indent=1))
+    print(f"wrote {path}")
