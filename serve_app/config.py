@@ -22,6 +22,23 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class Optimizations(_Strict):
+    """Optional accelerations, all off by default; `benchmarks/bench_accel.py` measures each."""
+
+    channels_last: bool = Field(False, description="UNet and VAE in channels-last memory format.")
+    vae_slicing: bool = Field(False, description="Decode a batch one image at a time (less peak memory).")
+    vae_tiling: bool = Field(False, description="Decode in tiles (large images in less memory).")
+    attention_backend: str | None = Field(
+        None, description="diffusers attention backend of the denoiser, e.g. 'native', 'flash', 'sage'."
+    )
+    compile_denoiser: bool = Field(
+        False, description="torch.compile the UNet/transformer (slow first calls)."
+    )
+    cpu_offload: Literal["none", "model", "sequential"] = Field(
+        "none", description="Keep idle submodules on the CPU (CUDA only): fits large models in less memory."
+    )
+
+
 class ModelConfig(_Strict):
     """What the engine loads and how it runs it. Plain data: the engine reads it, Ray does not."""
 
@@ -51,6 +68,7 @@ class ModelConfig(_Strict):
         "in actors, which halves the speed of a CPU replica.",
     )
     local_files_only: bool = False
+    optimizations: Optimizations = Field(default_factory=Optimizations)
     engine_extension: str | None = Field(
         None,
         description="`module:Class` of a mixin whose methods are mixed into the engine (a worker "
@@ -256,6 +274,8 @@ class AppConfig(_Strict):
             )
         if m.device == "cpu" and m.dtype == "float16":
             raise ValueError("model.dtype=float16 is not supported on CPU; use float32 or bfloat16")
+        if m.device == "cpu" and m.optimizations.cpu_offload != "none":
+            raise ValueError("model.optimizations.cpu_offload needs model.device cuda")
         return self
 
     @classmethod

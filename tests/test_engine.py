@@ -143,3 +143,30 @@ def test_unloadable_models_fail_with_a_clear_message(source, message):
     with pytest.raises(ModelLoadError, match=message):
         DiffusionEngine(ModelConfig(source=source, warmup=False))
     assert time.perf_counter() - t < 30
+
+
+@pytest.mark.parametrize(
+    "opts",
+    [{"channels_last": True}, {"vae_slicing": True}, {"vae_tiling": True}, {"attention_backend": "native"}],
+)
+def test_optimizations_keep_the_image(engine, opts):
+    from serve_app.config import Optimizations
+
+    fast = DiffusionEngine(ModelConfig(device="cpu", warmup=False, optimizations=Optimizations(**opts)))
+    rows = [Row("a red cat", None, 4), Row("a dog", None, 5)]
+    a, b = engine.run(rows, SMALL).images, fast.run(rows, SMALL).images
+    for x, y in zip(a, b, strict=True):
+        assert np.abs(pixels(x) - pixels(y)).max() <= 2, opts
+
+
+def test_bad_optimizations_are_refused():
+    from pydantic import ValidationError
+
+    from serve_app.config import AppConfig, Optimizations
+
+    with pytest.raises(ModelLoadError, match="attention_backend"):
+        DiffusionEngine(
+            ModelConfig(warmup=False, optimizations=Optimizations(attention_backend="no-such-backend"))
+        )
+    with pytest.raises(ValidationError, match="cpu_offload needs model.device cuda"):
+        AppConfig.from_args({"model": {"device": "cpu", "optimizations": {"cpu_offload": "model"}}})

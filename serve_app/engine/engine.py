@@ -187,6 +187,43 @@ def scheduler_class(name: str):
     return cls
 
 
+def find_denoiser(pipe) -> torch.nn.Module:
+    """The module the denoising loop calls every step: a UNet or a transformer."""
+    for name in ("unet", "transformer", "prior"):
+        mod = getattr(pipe, name, None)
+        if isinstance(mod, torch.nn.Module):
+            return mod
+    raise ModelLoadError(f"{type(pipe).__name__} has no unet or transformer")
+
+
+def apply_optimizations(pipe, opt, device: torch.device) -> None:
+    """The accelerations named in `model.optimizations`; each refuses clearly when it cannot apply."""
+    denoiser = find_denoiser(pipe)
+    if opt.channels_last:
+        for mod in (denoiser, getattr(pipe, "vae", None)):
+            if mod is not None:
+                mod.to(memory_format=torch.channels_last)
+    if opt.vae_slicing:
+        pipe.vae.enable_slicing()
+    if opt.vae_tiling:
+        pipe.vae.enable_tiling()
+    if opt.attention_backend:
+        if not hasattr(denoiser, "set_attention_backend"):
+            raise ModelLoadError(
+                "model.optimizations.attention_backend: this denoiser cannot switch backends"
+            )
+        try:
+            denoiser.set_attention_backend(opt.attention_backend)
+        except Exception as e:
+            raise ModelLoadError(f"model.optimizations.attention_backend: {e}") from None
+    if opt.cpu_offload == "model":
+        pipe.enable_model_cpu_offload(device=device)
+    elif opt.cpu_offload == "sequential":
+        pipe.enable_sequential_cpu_offload(device=device)
+    if opt.compile_denoiser:
+        denoiser.compile()  # in place: hooks registered on the module keep working
+
+
 def encode_images(images: Sequence[Any], fmt: str) -> list[bytes]:
     """PIL images to bytes. PNG at a low compression level: it is on the serving path."""
     out = []
@@ -266,12 +303,13 @@ class DiffusionEngine:
         if cfg.scheduler:
             self.pipe.scheduler = scheduler_class(cfg.scheduler).from_config(self.pipe.scheduler.config)
         self.pipe.set_progress_bar_config(disable=True)
+        apply_optimizations(self.pipe, cfg.optimizations, self.device)
         self.load_s = time.perf_counter() - t
         self._call_args = self._named_call_args()
         self.default_height, self.default_width = self._native_size()
         self._state: _CallState | None = None
         self._active_lora: tuple | None = None
-        self._hook_handle = self._denoiser().register_forward_pre_hook(self._on_denoiser_call)
+        self._hook_handle = find_denoiser(self.pipe).register_forward_pre_hook(self._on_denoiser_call)
         self._memory = _PeakMemory(self.device)
         logger.info(
             "loaded %s on %s/%s in %.1fs (native %dx%d)",
@@ -300,13 +338,6 @@ class DiffusionEngine:
             "default_guidance_scale": self.cfg.default_guidance_scale,
             "load_s": round(self.load_s, 3),
         }
-
-    def _denoiser(self) -> torch.nn.Module:
-        for name in ("unet", "transformer", "prior"):
-            mod = getattr(self.pipe, name, None)
-            if isinstance(mod, torch.nn.Module):
-                return mod
-        raise ModelLoadError(f"{type(self.pipe).__name__} has no unet or transformer to time")
 
     def _native_size(self) -> tuple[int, int]:
         scale = getattr(self.pipe, "vae_scale_factor", 8)
