@@ -11,7 +11,6 @@ Both are printed next to the time of one denoising step, measured in the same ru
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures as cf
 import os
 import statistics
@@ -19,15 +18,11 @@ import time
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
-from common import start_app, stop_app, write_json  # noqa: E402
+from common import parser, start_app, stop_app, write_json  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="builtin:tiny-sd")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--size", type=int, default=128)
-    ap.add_argument("--steps", type=int, default=50)
+    ap = parser(__doc__, size=128, steps=50)
     ap.add_argument("--trials", type=int, default=8)
     ap.add_argument("--out", default="benchmarks/results/abort.json")
     a = ap.parse_args()

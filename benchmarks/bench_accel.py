@@ -10,11 +10,10 @@ variants alternate in rounds so that drift in the machine's load hits them alike
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
-from common import write_json
+from common import parser, write_json
 
 VARIANTS = {
     "baseline": {},
@@ -27,11 +26,7 @@ VARIANTS = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="builtin:tiny-sd")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--size", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=4)
+    ap = parser(__doc__, size=64, steps=4)
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS))

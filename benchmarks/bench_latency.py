@@ -11,7 +11,6 @@ in the same run by an echo deployment. Writes the figures as JSON (`--out`).
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
@@ -43,15 +42,11 @@ def summary(ms: list[float]) -> dict:
     }
 
 
-from common import start_app, stop_app, write_json  # noqa: E402
+from common import parser, start_app, stop_app, write_json  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="builtin:tiny-sd")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--size", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=4)
+    ap = parser(__doc__, size=64, steps=4)
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--out", default="benchmarks/results/latency.json")
     a = ap.parse_args()

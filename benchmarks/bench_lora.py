@@ -11,7 +11,6 @@ adapter against a request with a loaded one. Goal: alternating >= 0.9x one adapt
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import os
 import tempfile
@@ -39,15 +38,11 @@ async def closed_loop(url: str, clients: int, per_client: int, body: dict, adapt
         return clients * per_client / (time.perf_counter() - t)
 
 
-from common import start_app, stop_app, write_json  # noqa: E402
+from common import parser, start_app, stop_app, write_json  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="builtin:tiny-sd")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    ap.add_argument("--size", type=int, default=64)
-    ap.add_argument("--steps", type=int, default=4)
+    ap = parser(__doc__, size=64, steps=4)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--per-client", type=int, default=12)
     ap.add_argument("--out", default="benchmarks/results/lora.json")

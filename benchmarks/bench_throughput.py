@@ -11,7 +11,6 @@ writes JSON plus a PNG chart.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -119,15 +118,12 @@ def plot(res: dict, path: Path) -> None:
     img.save(path)
 
 
-from common import start_app, stop_app  # noqa: E402
+from common import parser, start_app, stop_app  # noqa: E402
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="builtin:tiny-sd")
-    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap = parser(__doc__, size=None, steps=4)
     ap.add_argument("--sizes", type=int, nargs="+", default=[32, 64])
-    ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     ap.add_argument(
         "--requests-per-client", type=int, default=0, help="default: enough for ~48 requests a level"

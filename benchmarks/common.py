@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+
+def parser(doc: str, *, size: int | None = 64, steps: int = 4) -> argparse.ArgumentParser:
+    """The flags every script takes: which model on which device, at what size and steps."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="builtin:tiny-sd")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    if size is not None:
+        ap.add_argument("--size", type=int, default=size)
+    ap.add_argument("--steps", type=int, default=steps)
+    return ap
 
 
 def start_app(args: dict[str, Any], device: str, port: int):
