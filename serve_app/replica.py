@@ -595,6 +595,7 @@ class DiffusionReplica:
         return self.engine.describe()
 
     def stats(self) -> dict[str, Any]:
+        problem = self._health_problem()
         return {
             "replica_id": _replica_id(),
             "node_id": _node_id(),
@@ -602,8 +603,8 @@ class DiffusionReplica:
             "queued_images": sum(len(j.rows) for j in self._queue),
             "running_requests": len(self._running),
             "running_images": sum(len(j.rows) for j in self._running),
-            "healthy": self._health_problem() is None,
-            "health_problem": self._health_problem(),
+            "healthy": problem is None,
+            "health_problem": problem,
             "rss_mb": round(_rss_mb(), 1),
             "batching": self.batching.model_dump(),
             "loras_loaded": list(self._loras),
