@@ -4,9 +4,14 @@
     python benchmarks/bench_throughput.py --model builtin:sd15-arch --device cuda --sizes 512 --steps 20
 
 For each size: the raw pipeline in this process at batch 1, 8 and 16 (images/s), then closed-loop
-HTTP clients (1, 2, 4, 8, 16 of them, each sending single-image requests back to back) against
-the served app: images/s and p50/p95/p99 latency. Prints the ratios the goals are stated in and
-writes JSON plus a PNG chart.
+clients (1, 2, 4, 8, 16 of them, each sending single-image requests back to back; over HTTP, or
+through the Python handle with `--path handle`) against the served app: images/s, p50/p95/p99
+latency, the mean batch the requests ran in, and where the CPU went (milliseconds of CPU per
+image in the replica, the ingress, Serve's proxy, this client and Ray's other processes, beside
+the raw pipeline's CPU per image at batch 8). Then `--rounds` alternating pairs of (raw batch 8,
+8 clients), whose median ratio is the headline: on a shared machine the speed drifts by tens of
+percent within minutes, and a ratio of two numbers measured minutes apart measures the drift.
+Prints the ratios the goals are stated in and writes JSON plus a PNG chart.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -27,14 +33,30 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
-async def closed_loop(url: str, clients: int, requests_per_client: int, size: int, steps: int) -> dict:
+async def closed_loop(
+    url: str, clients: int, requests_per_client: int, size: int, steps: int, handle=None
+) -> dict:
+    """`clients` callers, each sending its next request when the last one is answered."""
     import httpx
 
     lat: list[float] = []
     batch_sizes: list[int] = []
     errors = 0
     limits = httpx.Limits(max_connections=clients + 4)
+    cpu = CpuMeter()
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as http:
+
+        async def one(body: dict) -> int | None:
+            """The batch size the request ran in, or None if it failed."""
+            if handle is not None:
+                try:
+                    fields = {k: v for k, v in body.items() if k != "size"}
+                    result = await handle.generate.remote({**fields, "height": size, "width": size})
+                except Exception:
+                    return None
+                return result.metrics.batch_images
+            r = await http.post("/v1/images/generations", json=body)
+            return r.json()["metrics"]["batch_images"] if r.status_code == 200 else None
 
         async def client(c: int) -> None:
             nonlocal errors
@@ -42,16 +64,18 @@ async def closed_loop(url: str, clients: int, requests_per_client: int, size: in
                 body = {"prompt": f"{PROMPT} {c}", "seed": c * 1000 + i, "size": f"{size}x{size}",
                         "num_inference_steps": steps}  # fmt: skip
                 t = time.perf_counter()
-                r = await http.post("/v1/images/generations", json=body)
-                if r.status_code != 200:
+                batch = await one(body)
+                if batch is None:
                     errors += 1
                 else:
-                    batch_sizes.append(r.json()["metrics"]["batch_images"])
+                    batch_sizes.append(batch)
                 lat.append((time.perf_counter() - t) * 1e3)
 
         t0 = time.perf_counter()
+        cpu.start()
         await asyncio.gather(*(client(c) for c in range(clients)))
         wall = time.perf_counter() - t0
+        cpu_ms = cpu.per_image(len(lat))
     return {
         "clients": clients,
         "requests": len(lat),
@@ -61,7 +85,51 @@ async def closed_loop(url: str, clients: int, requests_per_client: int, size: in
         "p95_ms": round(pct(lat, 95), 1),
         "p99_ms": round(pct(lat, 99), 1),
         "mean_batch_images": round(sum(batch_sizes) / max(1, len(batch_sizes)), 2),
+        "cpu_ms_per_image": cpu_ms,
     }
+
+
+class CpuMeter:
+    """CPU time of this machine's processes over an interval, by role, per image served.
+
+    Roles come from the process titles Ray gives its actors. Needs psutil (Ray installs it);
+    without it the figures are empty.
+    """
+
+    ROLES = (("DiffusionReplica", "replica"), ("DiffusionIngress", "ingress"), ("ProxyActor", "proxy"))
+
+    def __init__(self) -> None:
+        self._start: dict[str, float] = {}
+
+    def _sample(self) -> dict[str, float]:
+        try:
+            import psutil
+        except ImportError:
+            return {}
+        out: dict[str, float] = {}
+        me = os.getpid()
+        for p in psutil.process_iter(["pid", "cmdline"]):
+            try:
+                cmd = " ".join(p.info["cmdline"] or [])
+                t = p.cpu_times()
+            except (psutil.Error, OSError):
+                continue
+            if p.info["pid"] == me:
+                role = "client"
+            else:
+                role = next((r for k, r in self.ROLES if k in cmd), None)
+                if role is None and "ray" not in cmd:
+                    continue  # not ours: other users of the machine
+                role = role or "ray_other"
+            out[role] = out.get(role, 0.0) + t.user + t.system
+        return out
+
+    def start(self) -> None:
+        self._start = self._sample()
+
+    def per_image(self, images: int) -> dict[str, float]:
+        end = self._sample()
+        return {k: round((v - self._start.get(k, 0.0)) * 1e3 / max(1, images), 1) for k, v in end.items()}
 
 
 def raw_throughput(pipe, device: str, size: int, steps: int, batch: int, min_s: float) -> dict:
@@ -75,12 +143,18 @@ def raw_throughput(pipe, device: str, size: int, steps: int, batch: int, min_s: 
         sync()
 
     call()
-    n, t0 = 0, time.perf_counter()
+    n, t0, c0 = 0, time.perf_counter(), time.process_time()
     while n < 2 or time.perf_counter() - t0 < min_s:
         call()
         n += 1
     dt = (time.perf_counter() - t0) / n
-    return {"batch": batch, "s_per_call": round(dt, 4), "images_per_s": round(batch / dt, 3)}
+    cpu_ms = (time.process_time() - c0) / n / batch * 1e3
+    return {
+        "batch": batch,
+        "s_per_call": round(dt, 4),
+        "images_per_s": round(batch / dt, 3),
+        "cpu_ms_per_image": round(cpu_ms, 1),
+    }
 
 
 def plot(res: dict, path: Path) -> None:
@@ -129,11 +203,13 @@ def main() -> None:
         "--requests-per-client", type=int, default=0, help="default: enough for ~48 requests a level"
     )
     ap.add_argument("--raw-seconds", type=float, default=5.0)
-    ap.add_argument("--batch-wait-ms", type=float, default=10.0)
+    ap.add_argument("--batch-wait-ms", type=float, default=50.0)
+    ap.add_argument("--batch-gap-ms", type=float, default=10.0)
+    ap.add_argument("--max-batch", type=int, default=16, help="batching.max_batch_images")
+    ap.add_argument("--path", choices=["http", "handle"], default="http")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating (raw bs8, 8 clients) pairs")
     ap.add_argument("--out", default="benchmarks/results/throughput")
     a = ap.parse_args()
-
-    import torch
 
     from serve_app.config import ModelConfig
     from serve_app.engine import DiffusionEngine
@@ -145,55 +221,90 @@ def main() -> None:
         "model": model,
         "limits": {"max_side": max(2048, top), "max_pixels": max(top * top, 1 << 20), "max_images": 16},
         "replica": {"num_gpus": 1 if a.device == "cuda" else 0, "num_cpus": 0, "max_ongoing_requests": 64},
-        "batching": {"max_batch_images": 16, "batch_wait_ms": a.batch_wait_ms},
+        "batching": {
+            "max_batch_images": a.max_batch,
+            "batch_wait_ms": a.batch_wait_ms,
+            "batch_gap_ms": a.batch_gap_ms,
+        },
         "ingress": {"num_cpus": 0},
     }
-    start_app(args, a.device, port)
+    handle = start_app(args, a.device, port) if a.path == "handle" else None
+    if handle is None:
+        start_app(args, a.device, port)
     url = f"http://127.0.0.1:{port}"
 
+    def served_level(size: int, clients: int, per: int) -> dict:
+        return asyncio.run(closed_loop(url, clients, per, size, a.steps, handle))
+
     engine = DiffusionEngine(ModelConfig(**model, warmup=False))
-    res: dict = {"model": a.model, "device": a.device, "steps": a.steps, "clients": a.clients, "sizes": []}
+    res: dict = {
+        "model": a.model,
+        "device": a.device,
+        "steps": a.steps,
+        "path": a.path,
+        "batching": args["batching"],
+        "clients": a.clients,
+        "sizes": [],
+    }
     for size in a.sizes:
         raw = [
             raw_throughput(engine.pipe, engine.device.type, size, a.steps, b, a.raw_seconds)
             for b in (1, 8, 16)
         ]
-        asyncio.run(closed_loop(url, 4, 2, size, a.steps))  # warm the served path at this size
+        served_level(size, 4, 2)  # warm the served path at this size
         served = []
         for c in a.clients:
-            per = a.requests_per_client or max(2, 48 // c)
-            served.append(asyncio.run(closed_loop(url, c, per, size, a.steps)))
+            served.append(served_level(size, c, a.requests_per_client or max(2, 48 // c)))
             print(f"  {size}px clients={c}: {served[-1]}", flush=True)
+        rounds = []
+        for _ in range(a.rounds):
+            r8 = raw_throughput(engine.pipe, engine.device.type, size, a.steps, 8, a.raw_seconds / 2)
+            s8 = served_level(size, 8, a.requests_per_client or 6)
+            rounds.append({"raw_bs8": r8["images_per_s"], "served_c8": s8["images_per_s"],
+                           "ratio": round(s8["images_per_s"] / r8["images_per_s"], 3)})  # fmt: skip
+            print(f"  {size}px round: {rounds[-1]}", flush=True)
         by = {r["batch"]: r for r in raw}
         sv = {r["clients"]: r for r in served}
+
+        def ratio(num: float | None, den: float) -> float | None:
+            return round(num / den, 3) if num is not None else None
+
         ratios = {
-            "lone_latency_vs_raw_bs1": round(sv[1]["p50_ms"] / (by[1]["s_per_call"] * 1e3), 3)
-            if 1 in sv
-            else None,
-            "c8_throughput_vs_raw_bs8": round(sv[8]["images_per_s"] / by[8]["images_per_s"], 3)
-            if 8 in sv
-            else None,
-            "c8_all_done_vs_raw_bs8_call": (
-                round(sv[8]["p50_ms"] / (by[8]["s_per_call"] * 1e3), 3) if 8 in sv else None
+            "lone_latency_vs_raw_bs1": ratio(sv.get(1, {}).get("p50_ms"), by[1]["s_per_call"] * 1e3),
+            "c8_throughput_vs_raw_bs8": ratio(sv.get(8, {}).get("images_per_s"), by[8]["images_per_s"]),
+            "c8_throughput_vs_raw_bs8_median_of_rounds": (
+                statistics.median(r["ratio"] for r in rounds) if rounds else None
             ),
-            "c16_throughput_vs_raw_bs16": (
-                round(sv[16]["images_per_s"] / by[16]["images_per_s"], 3) if 16 in sv else None
-            ),
+            "c8_all_done_vs_raw_bs8_call": ratio(sv.get(8, {}).get("p50_ms"), by[8]["s_per_call"] * 1e3),
+            "c16_throughput_vs_raw_bs16": ratio(sv.get(16, {}).get("images_per_s"), by[16]["images_per_s"]),
             "raw_bs8_gain_over_bs1": round(by[8]["images_per_s"] / by[1]["images_per_s"], 3),
         }
-        res["sizes"].append({"size": size, "raw": raw, "served": served, "ratios": ratios})
+        res["sizes"].append({"size": size, "raw": raw, "served": served, "rounds": rounds, "ratios": ratios})
     stop_app()
-    del torch
 
     for s in res["sizes"]:
-        print(f"\n{a.model} on {a.device}, {s['size']}x{s['size']}, {a.steps} steps")
+        print(f"\n{a.model} on {a.device}, {s['size']}x{s['size']}, {a.steps} steps, over {a.path}, "
+              f"batching {res['batching']}")  # fmt: skip
         print(
-            "raw in-process:  " + "  ".join(f"bs{r['batch']} {r['images_per_s']:.2f} img/s" for r in s["raw"])
+            "raw in-process:  "
+            + "  ".join(
+                f"bs{r['batch']} {r['images_per_s']:.2f} img/s ({r['cpu_ms_per_image']:.0f} ms CPU/img)"
+                for r in s["raw"]
+            )
         )
-        print(f"{'clients':>8}{'img/s':>9}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}{'errors':>8}")
+        roles = ["replica", "ingress", "proxy", "client", "ray_other"]
+        print(f"{'clients':>8}{'img/s':>9}{'p50 ms':>9}{'p95 ms':>9}{'p99 ms':>9}{'batch':>7}{'errors':>7}"
+              "   CPU ms/img: " + " ".join(roles))  # fmt: skip
         for r in s["served"]:
+            cpu = r["cpu_ms_per_image"]
             print(f"{r['clients']:>8}{r['images_per_s']:>9.2f}{r['p50_ms']:>9.0f}{r['p95_ms']:>9.0f}"
-                  f"{r['p99_ms']:>9.0f}{r['errors']:>8}")  # fmt: skip
+                  f"{r['p99_ms']:>9.0f}{r['mean_batch_images']:>7.1f}{r['errors']:>7}   "
+                  + " ".join(f"{cpu.get(k, 0):.0f}" for k in roles))  # fmt: skip
+        if s["rounds"]:
+            pairs = "; ".join(
+                f"{r['raw_bs8']:.2f}, {r['served_c8']:.2f}, {r['ratio']:.3f}" for r in s["rounds"]
+            )  # noqa: E501
+            print(f"rounds (raw bs8 img/s, 8 clients img/s, ratio): {pairs}")
         print("ratios: " + ", ".join(f"{k} {v}" for k, v in s["ratios"].items()))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -187,7 +187,15 @@ class BatchingConfig(_Strict):
 
     max_batch_images: int = Field(8, ge=1, description="Upper bound on images in one pipeline call.")
     batch_wait_ms: float = Field(
-        10.0, ge=0, description="How long the oldest queued request may wait for others to join its call."
+        50.0, ge=0, description="How long the oldest queued request may wait for others to join its call."
+    )
+    batch_gap_ms: float = Field(
+        10.0,
+        ge=0,
+        description=(
+            "Stop waiting early once no request has arrived for this long: a lone request waits "
+            "this, a burst is gathered whole. 0: always wait the full batch_wait_ms."
+        ),
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import re
@@ -144,21 +145,30 @@ def make_adapter(
     from peft import LoraConfig, get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    from serve_app.engine.builtin import build_builtin
-
-    pipe = build_builtin(model, seed=0)
+    unet = _base_unet(model)
     torch.manual_seed(seed)
     cfg = LoraConfig(
         r=rank, lora_alpha=rank, init_lora_weights=False, target_modules=["to_q", "to_k", "to_v", "to_out.0"]
     )
-    pipe.unet.add_adapter(cfg, adapter_name="make")
-    state = get_peft_model_state_dict(pipe.unet, adapter_name="make")
+    unet.add_adapter(cfg, adapter_name="make")
+    try:
+        state = get_peft_model_state_dict(unet, adapter_name="make")
+    finally:
+        unet.delete_adapters("make")
     state = convert_state_dict_to_diffusers(state)
     state = {f"unet.{k}": (v * strength).contiguous() for k, v in state.items()}
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path))
     return path
+
+
+@functools.lru_cache(maxsize=1)
+def _base_unet(model: str):
+    """The UNet adapters are shaped for, built once per process (a full-size one takes a while)."""
+    from serve_app.engine.builtin import build_builtin
+
+    return build_builtin(model, seed=0).unet
 
 
 def main(argv: list[str] | None = None) -> None:

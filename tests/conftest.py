@@ -39,8 +39,9 @@ TEST_ARGS = {
     },
     "limits": {"max_pixels": 128 * 128, "max_side": 128, "max_steps": 50, "max_images": 4, "max_prompts": 6},
     "replica": {"num_replicas": 1, "num_cpus": 0, "health_check_period_s": 2, "health_check_timeout_s": 30},
-    # A long batch window, so that requests sent together by a test share a pipeline call.
-    "batching": {"max_batch_images": 8, "batch_wait_ms": 100},
+    # A long batch window and no early start, so that requests sent together by a test share a
+    # pipeline call however slowly a loaded machine delivers them.
+    "batching": {"max_batch_images": 8, "batch_wait_ms": 100, "batch_gap_ms": 0},
     "ingress": {"num_cpus": 0, "request_timeout_s": 120},
     "lora": {"registry_path": str(SESSION_DIR / "registry.json"), "allowed_roots": [str(ADAPTER_DIR)],
              "max_loaded": 2, "max_file_mb": 1},

@@ -87,6 +87,31 @@ def test_batch_size_limit_and_oldest_first(replica):
         replica.reconfigure({"max_batch_images": 8})
 
 
+def test_idle_device_waits_for_a_burst_but_not_past_its_gap(replica):
+    # Gaps of 100 ms < batch_gap_ms: the three trickling requests share a call, which starts one
+    # gap after the last of them (well before the 600 ms window). A lone request waits one gap.
+    replica.reconfigure({"batch_wait_ms": 600, "batch_gap_ms": 200})
+    try:
+
+        async def go():
+            jobs = []
+            for i in range(3):
+                jobs.append(asyncio.ensure_future(replica.generate(req(f"t{i}", f"gap{i}"))))
+                await asyncio.sleep(0.1)
+            burst = await asyncio.gather(*jobs)
+            lone = await replica.generate(req("alone", "gap-lone"))
+            return burst, lone
+
+        burst, lone = run(go())
+        assert [r.metrics.batch_requests for r in burst] == [3, 3, 3]
+        # The head waited for its company (>= 2 gaps of arrivals + one quiet gap), not the window.
+        assert 350 <= burst[0].metrics.queue_ms < 580, burst[0].metrics.queue_ms
+        assert lone.metrics.batch_requests == 1
+        assert 190 <= lone.metrics.queue_ms < 450, lone.metrics.queue_ms
+    finally:
+        replica.reconfigure({"batch_wait_ms": 0, "batch_gap_ms": 10})
+
+
 def test_reconfigure_turns_batching_off_without_a_restart(replica):
     replica.reconfigure({"max_batch_images": 1})
     try:

@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Every GPU figure the issues ask for, in one run sized for a 15-minute device lease (~8 minutes
+# of work, each benchmark under its own time limit so one slow part cannot eat the rest).
+#
+#   bash benchmarks/gpu_suite.sh [OUTDIR]          # default OUTDIR: $OUT, else benchmarks/results/gpu
+#
+# On a GPU host that has torch (CUDA), transformers and peft but no Ray or diffusers, build an
+# offline wheelhouse here first and carry it over (see README, "Benchmarks on a GPU"):
+#   ../shared/tools/gpu-wheelhouse.sh .whl 'ray[serve]==2.60.0' 'diffusers==0.42.1'
+#   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+#   export PYTHONPATH=/tmp/site:$PWD
+# A CPU smoke run of the same script (checks that it runs, not the figures):
+#   MODEL_ARGS="--model builtin:tiny-sd --device cpu" SIZE=32 STEPS=2 bash benchmarks/gpu_suite.sh /tmp/suite
+set -uo pipefail
+out=${1:-${OUT:-benchmarks/results/gpu}}
+mkdir -p "$out"
+read -r -a M <<< "${MODEL_ARGS:---model builtin:sd15-arch --device cuda}"
+size=${SIZE:-512}
+steps=${STEPS:-20}
+export RAY_USAGE_STATS_ENABLED=0
+PY=${PYTHON:-python3}
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>/dev/null || echo "no nvidia-smi"
+  $PY -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__)'; } > "$out/host.txt"
+cat "$out/host.txt"
+
+run() {  # run NAME LIMIT_S SCRIPT ARGS...: its output to NAME.log, its tail here
+    local name=$1 limit=$2; shift 2
+    echo "== $name (limit ${limit}s)"
+    local t0=$SECONDS
+    timeout "$limit" $PY "benchmarks/$1" "${@:2}" > "$out/$name.log" 2>&1
+    echo "rc=$? in $((SECONDS - t0))s"
+    grep -v -e ' INFO ' -e 'WARNING' -e 'Warning' "$out/$name.log" | tail -n 18
+}
+
+run throughput 200 bench_throughput.py "${M[@]}" --sizes "$size" --steps "$steps" --clients 1 8 16 \
+    --rounds 2 --requests-per-client 3 --raw-seconds 8 --max-batch 16 --out "$out/throughput"
+run latency 120 bench_latency.py "${M[@]}" --size "$size" --steps "$steps" --iters 8 --out "$out/latency.json"
+run abort 90 bench_abort.py "${M[@]}" --size "$size" --steps 50 --trials 3 --out "$out/abort.json"
+run lora 120 bench_lora.py "${M[@]}" --size "$size" --steps "$steps" --clients 8 --per-client 3 \
+    --out "$out/lora.json"
+run accel 150 bench_accel.py "${M[@]}" --size "$size" --steps "$steps" --batch 8 --rounds 2 \
+    --out "$out/accel.json"
+echo "results in $out"
