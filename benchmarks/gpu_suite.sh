@@ -29,7 +29,7 @@ run() {  # run NAME LIMIT_S SCRIPT ARGS...: its output to NAME.log, its tail her
     local t0=$SECONDS
     timeout "$limit" $PY "benchmarks/$1" "${@:2}" > "$out/$name.log" 2>&1
     echo "rc=$? in $((SECONDS - t0))s"
-    grep -v -e ' INFO ' -e 'WARNING' -e 'Warning' "$out/$name.log" | tail -n 18
+    grep -v -E 'INFO|WARNING|Warning|raylet|transformers|_dynamo|If it is' "$out/$name.log" | tail -n 18
 }
 
 run throughput 200 bench_throughput.py "${M[@]}" --sizes "$size" --steps "$steps" --clients 1 8 16 \
