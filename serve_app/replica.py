@@ -29,7 +29,7 @@ from ray import serve
 from serve_app import metrics
 from serve_app.autoscaling import QUEUE_LENGTH_METRIC
 from serve_app.config import BatchingConfig, LoraConfig, ModelConfig
-from serve_app.engine import CallParams, EngineOutput, LoraError, Row, encode_images
+from serve_app.engine import CallParams, EngineOutput, LoraError, Row, encode_image
 from serve_app.engine.engine import engine_class, latents_preview
 from serve_app.errors import Aborted, EngineFailure, InvalidRequest, OutOfMemory, ServingError, Unavailable
 from serve_app.lora import Registry
@@ -192,9 +192,9 @@ class DiffusionReplica:
         t = time.perf_counter()
         fmt = job.request.output_format
         images = await asyncio.gather(
-            *(loop.run_in_executor(self._cpu_pool, _encode_one, im, fmt) for im in output.images)
+            *(loop.run_in_executor(self._cpu_pool, encode_image, im, fmt) for im in output.images)
         )
-        return self._result(job, output, list(images), (time.perf_counter() - t) * 1e3)
+        return self._result(job, output, images, (time.perf_counter() - t) * 1e3)
 
     def _make_job(
         self, request: BatchGenerationRequest, preview_every: int, embeds=None, negative=None
@@ -738,10 +738,6 @@ def _rss_mb() -> float:
 
 def _copy_error(err: ServingError, request_id: str) -> ServingError:
     return type(err)(err.message, param=err.param, request_id=request_id)
-
-
-def _encode_one(image: Any, fmt: str) -> bytes:
-    return encode_images([image], fmt)[0]
 
 
 DiffusionReplicaDeployment = serve.deployment(DiffusionReplica, name="DiffusionReplica")

@@ -7,6 +7,7 @@ deterministic, which HTTP timing cannot.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -34,6 +35,17 @@ _LOOP = asyncio.new_event_loop()
 
 def run(coro):
     return _LOOP.run_until_complete(coro)
+
+
+@contextlib.contextmanager
+def batching(replica, **settings):
+    """Reconfigure the shared replica's batching for one test, then put back what it had."""
+    before = replica.batching.model_dump()
+    replica.reconfigure(settings)
+    try:
+        yield
+    finally:
+        replica.reconfigure(before)
 
 
 def test_compatible_requests_share_a_call_and_keep_their_images(replica):
@@ -69,8 +81,7 @@ def test_compatible_requests_share_a_call_and_keep_their_images(replica):
 
 
 def test_batch_size_limit_and_oldest_first(replica):
-    replica.reconfigure({"max_batch_images": 3})
-    try:
+    with batching(replica, max_batch_images=3):
 
         async def go():
             blocker = asyncio.ensure_future(replica.generate(req("block", "blk2", width=64, height=64)))
@@ -83,15 +94,12 @@ def test_batch_size_limit_and_oldest_first(replica):
         _, *rs = run(go())
         assert [r.metrics.batch_images for r in rs] == [2, 2, 2]  # 2+2 > 3: each runs alone
         assert rs[0].metrics.queue_ms < rs[1].metrics.queue_ms < rs[2].metrics.queue_ms
-    finally:
-        replica.reconfigure({"max_batch_images": 8})
 
 
 def test_idle_device_waits_for_a_burst_but_not_past_its_gap(replica):
     # Gaps of 100 ms < batch_gap_ms: the three trickling requests share a call, which starts one
     # gap after the last of them (well before the 600 ms window). A lone request waits one gap.
-    replica.reconfigure({"batch_wait_ms": 600, "batch_gap_ms": 200})
-    try:
+    with batching(replica, batch_wait_ms=600, batch_gap_ms=200):
 
         async def go():
             jobs = []
@@ -108,13 +116,10 @@ def test_idle_device_waits_for_a_burst_but_not_past_its_gap(replica):
         assert 350 <= burst[0].metrics.queue_ms < 580, burst[0].metrics.queue_ms
         assert lone.metrics.batch_requests == 1
         assert 190 <= lone.metrics.queue_ms < 450, lone.metrics.queue_ms
-    finally:
-        replica.reconfigure({"batch_wait_ms": 0, "batch_gap_ms": 10})
 
 
 def test_reconfigure_turns_batching_off_without_a_restart(replica):
-    replica.reconfigure({"max_batch_images": 1})
-    try:
+    with batching(replica, max_batch_images=1):
 
         async def go():
             blocker = asyncio.ensure_future(replica.generate(req("block", "blk3", width=64, height=64)))
@@ -124,8 +129,6 @@ def test_reconfigure_turns_batching_off_without_a_restart(replica):
         _, *rs = run(go())
         assert all(r.metrics.batch_requests == 1 for r in rs)
         assert replica.stats()["batching"]["max_batch_images"] == 1
-    finally:
-        replica.reconfigure({"max_batch_images": 8})
 
 
 def test_request_aborted_while_queued_never_joins_a_batch(replica):

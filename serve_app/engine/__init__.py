@@ -7,6 +7,7 @@ from serve_app.engine.engine import (
     LoraError,
     ModelLoadError,
     Row,
+    encode_image,
     encode_images,
 )
 
@@ -17,5 +18,6 @@ __all__ = [
     "LoraError",
     "ModelLoadError",
     "Row",
+    "encode_image",
     "encode_images",
 ]

@@ -115,7 +115,7 @@ def latents_preview(latents: torch.Tensor) -> bytes:
     strip = torch.cat(list(x), dim=2).permute(1, 2, 0).numpy()  # images side by side
     from PIL import Image
 
-    return encode_images([Image.fromarray(strip)], "png")[0]
+    return encode_image(Image.fromarray(strip), "png")
 
 
 @dataclass
@@ -224,21 +224,22 @@ def apply_optimizations(pipe, opt, device: torch.device) -> None:
         denoiser.compile()  # in place: hooks registered on the module keep working
 
 
+def encode_image(im: Any, fmt: str) -> bytes:
+    """A PIL image to bytes. PNG at a low compression level: it is on the serving path."""
+    buf = io.BytesIO()
+    if fmt == "png":
+        im.save(buf, format="PNG", compress_level=1)
+    elif fmt == "jpeg":
+        im.convert("RGB").save(buf, format="JPEG", quality=90)
+    elif fmt == "webp":
+        im.save(buf, format="WEBP", quality=90)
+    else:
+        raise ValueError(f"output_format must be png, jpeg or webp, not {fmt!r}")
+    return buf.getvalue()
+
+
 def encode_images(images: Sequence[Any], fmt: str) -> list[bytes]:
-    """PIL images to bytes. PNG at a low compression level: it is on the serving path."""
-    out = []
-    for im in images:
-        buf = io.BytesIO()
-        if fmt == "png":
-            im.save(buf, format="PNG", compress_level=1)
-        elif fmt == "jpeg":
-            im.convert("RGB").save(buf, format="JPEG", quality=90)
-        elif fmt == "webp":
-            im.save(buf, format="WEBP", quality=90)
-        else:
-            raise ValueError(f"output_format must be png, jpeg or webp, not {fmt!r}")
-        out.append(buf.getvalue())
-    return out
+    return [encode_image(im, fmt) for im in images]
 
 
 class _PeakMemory:
