@@ -203,7 +203,12 @@ def main() -> None:
         "--requests-per-client", type=int, default=0, help="default: enough for ~48 requests a level"
     )
     ap.add_argument("--raw-seconds", type=float, default=5.0)
-    ap.add_argument("--batch-wait-ms", type=float, default=50.0)
+    ap.add_argument(
+        "--batch-wait-ms",
+        type=float,
+        default=None,
+        help="default: 150 on cpu (as serve_config.yaml), else batching's default of 50",
+    )
     ap.add_argument("--batch-gap-ms", type=float, default=10.0)
     ap.add_argument("--max-batch", type=int, default=16, help="batching.max_batch_images")
     ap.add_argument("--path", choices=["http", "handle"], default="http")
@@ -223,7 +228,9 @@ def main() -> None:
         "replica": {"num_gpus": 1 if a.device == "cuda" else 0, "num_cpus": 0, "max_ongoing_requests": 64},
         "batching": {
             "max_batch_images": a.max_batch,
-            "batch_wait_ms": a.batch_wait_ms,
+            "batch_wait_ms": a.batch_wait_ms
+            if a.batch_wait_ms is not None
+            else (150 if a.device == "cpu" else 50),
             "batch_gap_ms": a.batch_gap_ms,
         },
         "ingress": {"num_cpus": 0},
@@ -261,7 +268,8 @@ def main() -> None:
             r8 = raw_throughput(engine.pipe, engine.device.type, size, a.steps, 8, a.raw_seconds / 2)
             s8 = served_level(size, 8, a.requests_per_client or 6)
             rounds.append({"raw_bs8": r8["images_per_s"], "served_c8": s8["images_per_s"],
-                           "ratio": round(s8["images_per_s"] / r8["images_per_s"], 3)})  # fmt: skip
+                           "ratio": round(s8["images_per_s"] / r8["images_per_s"], 3),
+                           "mean_batch": s8["mean_batch_images"]})  # fmt: skip
             print(f"  {size}px round: {rounds[-1]}", flush=True)
         by = {r["batch"]: r for r in raw}
         sv = {r["clients"]: r for r in served}
@@ -302,9 +310,10 @@ def main() -> None:
                   + " ".join(f"{cpu.get(k, 0):.0f}" for k in roles))  # fmt: skip
         if s["rounds"]:
             pairs = "; ".join(
-                f"{r['raw_bs8']:.2f}, {r['served_c8']:.2f}, {r['ratio']:.3f}" for r in s["rounds"]
-            )  # noqa: E501
-            print(f"rounds (raw bs8 img/s, 8 clients img/s, ratio): {pairs}")
+                f"{r['raw_bs8']:.2f}, {r['served_c8']:.2f}, {r['ratio']:.3f}, {r['mean_batch']:.1f}"
+                for r in s["rounds"]
+            )
+            print(f"rounds (raw bs8 img/s, 8 clients img/s, ratio, mean batch): {pairs}")
         print("ratios: " + ", ".join(f"{k} {v}" for k, v in s["ratios"].items()))
     out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -73,6 +73,13 @@ class _Job:
         return (self.params, self.request.negative_prompt is None, embeds is None, negative is None)
 
 
+@dataclass(frozen=True)
+class _LastCall:
+    key: tuple  # the batch key it ran
+    ended: float
+    callers: int  # its images plus the images of its kind queued when it ended
+
+
 class DiffusionReplica:
     def __init__(
         self,
@@ -106,6 +113,7 @@ class DiffusionReplica:
         self._jobs: dict[str, _Job] = {}  # queued and running, by request id
         self._finished: collections.OrderedDict[str, dict] = collections.OrderedDict()
         self._running: list[_Job] = []
+        self._last_call: _LastCall | None = None  # see _fill_deadline
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
         self._max_failures = max_consecutive_failures
@@ -353,10 +361,29 @@ class DiffusionReplica:
                 images += len(job.rows)
         return batch
 
-    def _fill_deadline(self, head: _Job) -> float:
-        """When a call led by `head` stops waiting for company: `batch_wait_ms` after the head
-        arrived, or earlier, `batch_gap_ms` after the newest arrival (the burst is over)."""
-        until = head.enqueued + self.batching.batch_wait_ms / 1e3
+    def _fill_deadline(self, batch: list[_Job]) -> float:
+        """When a call led by `batch[0]` stops waiting for company: `batch_wait_ms` after the head
+        arrived, or earlier, `batch_gap_ms` after the newest arrival (the burst is over).
+
+        Callers of the last call coming back are waited for past quiet gaps: when the head is
+        of the last call's kind and came within the window after that call ended, and the
+        batch is smaller than that call plus what was queued beside it, the call waits up to
+        `batch_wait_ms` after the device became free. Clients that send their next request when
+        the last one is answered come back one by one, spread by the serving path's own work;
+        cutting at the first gap split their waves into smaller and smaller calls (2 CPU cores,
+        8 clients: mean batch 5.3 of 8), and once split, the halves never met again.
+        """
+        head = batch[0]
+        window = self.batching.batch_wait_ms / 1e3
+        last = self._last_call
+        if (
+            last is not None
+            and head.batch_key == last.key
+            and head.enqueued <= last.ended + window
+            and sum(len(j.rows) for j in batch) < last.callers
+        ):
+            return max(head.enqueued, last.ended) + window
+        until = head.enqueued + window
         if self.batching.batch_gap_ms > 0:
             until = min(until, self._queue[-1].enqueued + self.batching.batch_gap_ms / 1e3)
         return until
@@ -372,7 +399,7 @@ class DiffusionReplica:
             # Wait for the batch to fill while requests keep arriving, but never past the oldest
             # request's window.
             while sum(len(j.rows) for j in batch) < self.batching.max_batch_images:
-                wait_until = self._fill_deadline(batch[0])
+                wait_until = self._fill_deadline(batch)
                 if time.perf_counter() >= wait_until:
                     break
                 self._wakeup.clear()
@@ -408,6 +435,9 @@ class DiffusionReplica:
             finally:
                 self._running = []
                 self._call_started = None
+                key = batch[0].batch_key
+                callers = len(rows) + sum(len(j.rows) for j in self._queue if j.batch_key == key)
+                self._last_call = _LastCall(key, time.perf_counter(), callers)
                 metrics.set_queue_length(self.engine.model_name, self.queue_length())
 
     def _run_call(self, batch: list[_Job], rows: list[Row], hook) -> EngineOutput:

@@ -48,6 +48,13 @@ def batching(replica, **settings):
         replica.reconfigure(before)
 
 
+async def reaches(replica, request_id: str, state: str, timeout_s: float = 30) -> None:
+    """Return once the request is in `state`; fail if it is not within `timeout_s`."""
+    async with asyncio.timeout(timeout_s):
+        while (st := replica.request_status(request_id)) is None or st.state != state:
+            await asyncio.sleep(0.002)
+
+
 def test_compatible_requests_share_a_call_and_keep_their_images(replica):
     async def go():
         blocker = asyncio.ensure_future(
@@ -107,6 +114,7 @@ def test_idle_device_waits_for_a_burst_but_not_past_its_gap(replica):
                 jobs.append(asyncio.ensure_future(replica.generate(req(f"t{i}", f"gap{i}"))))
                 await asyncio.sleep(0.1)
             burst = await asyncio.gather(*jobs)
+            await asyncio.sleep(0.7)  # past the window: not a caller of that call coming back
             lone = await replica.generate(req("alone", "gap-lone"))
             return burst, lone
 
@@ -116,6 +124,54 @@ def test_idle_device_waits_for_a_burst_but_not_past_its_gap(replica):
         assert 350 <= burst[0].metrics.queue_ms < 580, burst[0].metrics.queue_ms
         assert lone.metrics.batch_requests == 1
         assert 190 <= lone.metrics.queue_ms < 450, lone.metrics.queue_ms
+
+
+def test_callers_coming_back_refill_their_call_past_the_gap(replica):
+    # Closed-loop callers: three answered together come back 150 ms apart, more than the gap.
+    # They share one call again instead of the first leaving alone one gap after it arrived.
+    with batching(replica, batch_wait_ms=600, batch_gap_ms=100):
+
+        async def go():
+            first = await asyncio.gather(*(replica.generate(req(f"c{i}", f"back{i}")) for i in range(3)))
+            jobs = []
+            for i in range(3):
+                jobs.append(asyncio.ensure_future(replica.generate(req(f"c{i}", f"back{i}-again"))))
+                await asyncio.sleep(0.15)
+            return first, await asyncio.gather(*jobs)
+
+        first, again = run(go())
+        assert [r.metrics.batch_requests for r in first] == [3, 3, 3]
+        assert [r.metrics.batch_requests for r in again] == [3, 3, 3]
+        # The head waited past the gap for the other two, then one gap more, not the window.
+        assert 250 <= again[0].metrics.queue_ms < 580, again[0].metrics.queue_ms
+
+
+def test_requests_queued_behind_a_call_wait_for_its_callers_to_come_back(replica):
+    # Two requests run; two more queue behind them. When the call ends, the queued pair waits
+    # for the first pair's callers to come back (150 ms apart, past the gap), and the four
+    # share one call: a wave split in two halves joins up again instead of alternating.
+    big = {"width": 64, "height": 64, "num_inference_steps": 8}
+    with batching(replica, batch_wait_ms=600, batch_gap_ms=100):
+
+        async def go():
+            first = [
+                asyncio.ensure_future(replica.generate(req(f"a{i}", f"join-a{i}", **big))) for i in range(2)
+            ]
+            await reaches(replica, "join-a0", "running")
+            queued = [
+                asyncio.ensure_future(replica.generate(req(f"q{i}", f"join-q{i}", **big))) for i in range(2)
+            ]
+            await reaches(replica, "join-q1", "queued")
+            ran = await asyncio.gather(*first)
+            back = []
+            for i in range(2):
+                back.append(asyncio.ensure_future(replica.generate(req(f"a{i}", f"join-a{i}-again", **big))))
+                await asyncio.sleep(0.15)
+            return ran, await asyncio.gather(*queued, *back)
+
+        ran, rest = run(go())
+        assert [r.metrics.batch_requests for r in ran] == [2, 2]
+        assert [r.metrics.batch_requests for r in rest] == [4, 4, 4, 4]
 
 
 def test_reconfigure_turns_batching_off_without_a_restart(replica):
