@@ -187,7 +187,12 @@ class BatchingConfig(_Strict):
 
     max_batch_images: int = Field(8, ge=1, description="Upper bound on images in one pipeline call.")
     batch_wait_ms: float = Field(
-        50.0, ge=0, description="How long the oldest queued request may wait for others to join its call."
+        50.0,
+        ge=0,
+        description=(
+            "How long a call may wait for others to join it: at most this long after its oldest "
+            "request arrived, or after the device became free if that was later."
+        ),
     )
     batch_gap_ms: float = Field(
         10.0,
