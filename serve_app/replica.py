@@ -396,8 +396,8 @@ class DiffusionReplica:
                 await self._wakeup.wait()
                 continue
             batch = self._gather()
-            # Wait for the batch to fill while requests keep arriving, but never past the oldest
-            # request's window.
+            # Wait for the batch to fill while requests keep arriving, never longer than the
+            # window (see _fill_deadline).
             while sum(len(j.rows) for j in batch) < self.batching.max_batch_images:
                 wait_until = self._fill_deadline(batch)
                 if time.perf_counter() >= wait_until:

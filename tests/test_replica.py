@@ -15,26 +15,29 @@ from serve_app.errors import Aborted
 from serve_app.replica import DiffusionReplica
 from serve_app.schemas import BatchGenerationRequest, GenerationRequest
 
-
-@pytest.fixture(scope="module")
-def replica():
-    return DiffusionReplica(
-        {"source": "builtin:tiny-sd", "device": "cpu", "default_height": 32, "default_width": 32,
-         "default_steps": 3, "warmup": False},
-        {"max_batch_images": 8, "batch_wait_ms": 0},
-    )  # fmt: skip
-
-
-def req(prompt: str, rid: str, **kw) -> GenerationRequest:
-    return GenerationRequest(prompt=prompt, request_id=rid, seed=kw.pop("seed", 1), **kw)
-
-
 # One event loop for the module, as in a Serve replica: the engine loop task lives on it.
 _LOOP = asyncio.new_event_loop()
 
 
 def run(coro):
     return _LOOP.run_until_complete(coro)
+
+
+@pytest.fixture(scope="module")
+def replica():
+    r = DiffusionReplica(
+        {"source": "builtin:tiny-sd", "device": "cpu", "default_height": 32, "default_width": 32,
+         "default_steps": 3, "warmup": False},
+        {"max_batch_images": 8, "batch_wait_ms": 0},
+    )  # fmt: skip
+    yield r
+    if r._loop_task is not None:  # stop the engine loop, as Serve does when the replica goes
+        r._loop_task.cancel()
+        run(asyncio.gather(r._loop_task, return_exceptions=True))
+
+
+def req(prompt: str, rid: str, **kw) -> GenerationRequest:
+    return GenerationRequest(prompt=prompt, request_id=rid, seed=kw.pop("seed", 1), **kw)
 
 
 @contextlib.contextmanager
