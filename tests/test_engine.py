@@ -113,6 +113,27 @@ def test_encode_formats(engine, fmt, magic):
     assert encode_images([im], fmt)[0].startswith(magic)
 
 
+@pytest.mark.parametrize("mode, channels", [("RGB", 3), ("RGBA", 4), ("L", 1), ("P", 1)])
+def test_png_decodes_to_the_same_pixels(mode, channels):
+    import io
+
+    from PIL import Image
+
+    rng = np.random.default_rng(7)
+    # Noise and a ramp: every filter difference wraps around modulo 256 somewhere.
+    noise = rng.integers(0, 256, (37, 23, channels), dtype=np.uint8)
+    ramp = np.broadcast_to(np.arange(23, dtype=np.uint8)[None, :, None] * 11, (37, 23, channels))
+    for arr in (noise, ramp):
+        im = Image.fromarray(
+            arr.squeeze(-1) if channels == 1 else np.ascontiguousarray(arr), "L" if mode == "P" else mode
+        )
+        if mode == "P":
+            im = im.quantize(16)
+        back = Image.open(io.BytesIO(encode_images([im], "png")[0]))
+        assert (back.mode, back.size) == (im.mode, im.size)
+        assert np.array_equal(np.asarray(back), np.asarray(im))
+
+
 def test_scheduler_override_by_class_name():
     e = DiffusionEngine(ModelConfig(scheduler="EulerDiscreteScheduler", warmup=False))
     assert type(e.pipe.scheduler).__name__ == "EulerDiscreteScheduler"

@@ -13,7 +13,9 @@ import inspect
 import io
 import logging
 import os
+import struct
 import time
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -224,12 +226,50 @@ def apply_optimizations(pipe, opt, device: torch.device) -> None:
         denoiser.compile()  # in place: hooks registered on the module keep working
 
 
-def encode_image(im: Any, fmt: str) -> bytes:
-    """A PIL image to bytes. PNG at a low compression level: it is on the serving path."""
-    buf = io.BytesIO()
-    if fmt == "png":
+_PNG_COLOR_TYPES = {"L": 0, "RGB": 2, "RGBA": 6}  # 8 bits per channel
+
+
+def _png_chunk(tag: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
+
+
+def _png(im: Any) -> bytes:
+    """PNG with every row "Up"-filtered (one numpy subtraction) and deflate level 1.
+
+    PIL picks a filter per row by trying them all, which is most of its cost; one filter for
+    the whole image halves the time at the same size (512x512, measured on 2 cores: a smooth
+    image 5 vs 10 ms, 87 vs 85 KiB; noise, what random weights make, 19 vs 38 ms). Encoding is
+    on the serving path: a lone request waits for it after its pipeline call.
+    """
+    import numpy as np
+
+    color = _PNG_COLOR_TYPES.get(im.mode)
+    if color is None:  # palettes, 16-bit, ...: PIL's encoder
+        buf = io.BytesIO()
         im.save(buf, format="PNG", compress_level=1)
-    elif fmt == "jpeg":
+        return buf.getvalue()
+    rows = np.asarray(im, dtype=np.uint8).reshape(im.height, -1)
+    filtered = np.empty((rows.shape[0], rows.shape[1] + 1), np.uint8)
+    filtered[:, 0] = 2  # filter type Up: each byte minus the byte above it, modulo 256
+    filtered[0, 1:] = rows[0]
+    np.subtract(rows[1:], rows[:-1], out=filtered[1:, 1:])
+    header = struct.pack(">IIBBBBB", im.width, im.height, 8, color, 0, 0, 0)
+    return b"".join(
+        (
+            b"\x89PNG\r\n\x1a\n",
+            _png_chunk(b"IHDR", header),
+            _png_chunk(b"IDAT", zlib.compress(filtered.tobytes(), 1)),
+            _png_chunk(b"IEND", b""),
+        )
+    )
+
+
+def encode_image(im: Any, fmt: str) -> bytes:
+    """A PIL image to bytes, quickly: it is on the serving path."""
+    if fmt == "png":
+        return _png(im)
+    buf = io.BytesIO()
+    if fmt == "jpeg":
         im.convert("RGB").save(buf, format="JPEG", quality=90)
     elif fmt == "webp":
         im.save(buf, format="WEBP", quality=90)
