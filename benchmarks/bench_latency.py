@@ -18,11 +18,6 @@ import time
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
-
-
 def timed(fn, iters: int, warm: int = 2) -> list[float]:
     for _ in range(warm):
         fn()
@@ -42,7 +37,7 @@ def summary(ms: list[float]) -> dict:
     }
 
 
-from common import parser, start_app, stop_app, write_json  # noqa: E402
+from common import parser, pct, start_app, stop_app, write_json  # noqa: E402
 
 
 def main() -> None:
@@ -56,7 +51,7 @@ def main() -> None:
     from ray import serve
 
     from serve_app.config import ModelConfig
-    from serve_app.engine import CallParams, DiffusionEngine, Row, encode_images
+    from serve_app.engine import CallParams, DiffusionEngine, Row, encode_image
     from serve_app.schemas import GenerationRequest
 
     model = {"source": a.model, "device": a.device, "default_height": a.size, "default_width": a.size}
@@ -108,7 +103,7 @@ def main() -> None:
 
         fns = {
             "raw_pipeline": raw,
-            "engine": lambda: encode_images(engine.run([Row(prompt, None, seed)], params).images, "png"),
+            "engine": lambda: encode_image(engine.run([Row(prompt, None, seed)], params).images[0], "png"),
             "handle": lambda: handle.generate.remote(req).result(),
             "http": post,
         }

@@ -38,11 +38,6 @@ GOALS = [
 ]
 
 
-def pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
-
-
 async def closed_loop(
     url: str, clients: int, requests_per_client: int, size: int, steps: int, handle=None
 ) -> dict:
@@ -202,7 +197,7 @@ def plot(res: dict, path: Path) -> None:
     img.save(path)
 
 
-from common import parser, start_app, stop_app  # noqa: E402
+from common import parser, pct, start_app, stop_app  # noqa: E402
 
 
 def main() -> None:

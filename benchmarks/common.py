@@ -22,6 +22,12 @@ def parser(doc: str, *, size: int | None = 64, steps: int = 4) -> argparse.Argum
     return ap
 
 
+def pct(xs: list[float], q: float) -> float:
+    """The q-th percentile of `xs` (nearest rank)."""
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
 def start_app(args: dict[str, Any], device: str, port: int):
     """A fresh local Ray (never a cluster already running here), Serve on `port`, the app at `/`."""
     import ray

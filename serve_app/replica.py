@@ -361,7 +361,7 @@ class DiffusionReplica:
                 images += len(job.rows)
         return batch
 
-    def _fill_deadline(self, batch: list[_Job]) -> float:
+    def _fill_deadline(self, batch: list[_Job], images: int) -> float:
         """When a call led by `batch[0]` stops waiting for company: `batch_wait_ms` after the head
         arrived, or earlier, `batch_gap_ms` after the newest arrival (the burst is over).
 
@@ -380,7 +380,7 @@ class DiffusionReplica:
             last is not None
             and head.batch_key == last.key
             and head.enqueued <= last.ended + window
-            and sum(len(j.rows) for j in batch) < last.callers
+            and images < last.callers
         ):
             return max(head.enqueued, last.ended) + window
         until = head.enqueued + window
@@ -398,8 +398,8 @@ class DiffusionReplica:
             batch = self._gather()
             # Wait for the batch to fill while requests keep arriving, never longer than the
             # window (see _fill_deadline).
-            while sum(len(j.rows) for j in batch) < self.batching.max_batch_images:
-                wait_until = self._fill_deadline(batch)
+            while (images := sum(len(j.rows) for j in batch)) < self.batching.max_batch_images:
+                wait_until = self._fill_deadline(batch, images)
                 if time.perf_counter() >= wait_until:
                     break
                 self._wakeup.clear()

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from serve_app.config import ModelConfig
-from serve_app.engine import CallParams, DiffusionEngine, ModelLoadError, Row, encode_images
+from serve_app.engine import CallParams, DiffusionEngine, ModelLoadError, Row, encode_image
 from serve_app.engine.builtin import build_builtin
 
 SMALL = CallParams(height=32, width=32, steps=3, guidance_scale=7.5)
@@ -53,7 +53,7 @@ def test_same_seed_same_image_and_different_seed_differs(engine):
     a = engine.run([Row("a red cat", None, 5)], SMALL).images[0]
     b = engine.run([Row("a red cat", None, 5)], SMALL).images[0]
     c = engine.run([Row("a red cat", None, 6)], SMALL).images[0]
-    assert encode_images([a], "png") == encode_images([b], "png")
+    assert encode_image(a, "png") == encode_image(b, "png")
     assert np.abs(pixels(a) - pixels(c)).max() > 10
 
 
@@ -110,7 +110,7 @@ def test_extra_goes_to_the_pipeline_and_unknown_keys_are_refused(engine):
 @pytest.mark.parametrize("fmt, magic", [("png", b"\x89PNG"), ("jpeg", b"\xff\xd8\xff"), ("webp", b"RIFF")])
 def test_encode_formats(engine, fmt, magic):
     im = engine.run([Row("a", None, 1)], SMALL).images[0]
-    assert encode_images([im], fmt)[0].startswith(magic)
+    assert encode_image(im, fmt).startswith(magic)
 
 
 @pytest.mark.parametrize("mode, channels", [("RGB", 3), ("RGBA", 4), ("L", 1), ("P", 1)])
@@ -129,7 +129,7 @@ def test_png_decodes_to_the_same_pixels(mode, channels):
         )
         if mode == "P":
             im = im.quantize(16)
-        back = Image.open(io.BytesIO(encode_images([im], "png")[0]))
+        back = Image.open(io.BytesIO(encode_image(im, "png")))
         assert (back.mode, back.size) == (im.mode, im.size)
         assert np.array_equal(np.asarray(back), np.asarray(im))
 

@@ -8,7 +8,6 @@ from serve_app.engine.engine import (
     ModelLoadError,
     Row,
     encode_image,
-    encode_images,
 )
 
 __all__ = [
@@ -19,5 +18,4 @@ __all__ = [
     "ModelLoadError",
     "Row",
     "encode_image",
-    "encode_images",
 ]

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from serve_app.config import BUILTIN_PREFIX, ModelConfig
@@ -241,8 +242,6 @@ def _png(im: Any) -> bytes:
     image 5 vs 10 ms, 87 vs 85 KiB; noise, what random weights make, 19 vs 38 ms). Encoding is
     on the serving path: a lone request waits for it after its pipeline call.
     """
-    import numpy as np
-
     color = _PNG_COLOR_TYPES.get(im.mode)
     if color is None:  # palettes, 16-bit, ...: PIL's encoder
         buf = io.BytesIO()
@@ -276,10 +275,6 @@ def encode_image(im: Any, fmt: str) -> bytes:
     else:
         raise ValueError(f"output_format must be png, jpeg or webp, not {fmt!r}")
     return buf.getvalue()
-
-
-def encode_images(images: Sequence[Any], fmt: str) -> list[bytes]:
-    return [encode_image(im, fmt) for im in images]
 
 
 class _PeakMemory:
