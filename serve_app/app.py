@@ -36,14 +36,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         graceful_shutdown_timeout_s=r.graceful_shutdown_timeout_s,
         max_constructor_retry_count=r.max_constructor_retry_count,
         user_config=cfg.batching.model_dump(),
-    ).bind(
-        cfg.model.model_dump(),
-        cfg.batching.model_dump(),
-        r.max_consecutive_failures,
-        r.engine_call_timeout_s,
-        cfg.lora.model_dump(),
-        cfg.profiling.trace_dir,
-    )
+    ).bind(cfg.model, cfg.batching, r, cfg.lora, cfg.profiling)
     ing = cfg.ingress
     return DiffusionIngressDeployment.options(
         num_replicas=ing.num_replicas,
@@ -52,4 +45,4 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         # An ingress replica being replaced (redeploy, scale-down) keeps answering what it holds:
         # no accepted request outlives its deadline, so draining that long loses none.
         graceful_shutdown_timeout_s=ing.request_timeout_s,
-    ).bind(replica, cfg.model_dump())
+    ).bind(replica, cfg)

@@ -22,9 +22,10 @@ class QueueLengthPolicy:
 
     def __call__(self, ctx) -> tuple[int, dict[str, Any]]:
         per_replica = (ctx.aggregated_metrics or {}).get(QUEUE_LENGTH_METRIC) or {}
-        if per_replica:
-            total = float(sum(per_replica.values()))
-        else:  # no replica has reported yet: fall back to Serve's own request count
-            total = float(ctx.total_num_requests or 0)
+        if not per_replica:
+            # No replica has reported its queue yet (starting up): keep what there is. Serve's
+            # own request count would hide a broken metric, and it counts requests, not images.
+            return ctx.current_num_replicas, {"total_queue_length": None}
+        total = float(sum(per_replica.values()))
         desired = math.ceil(total / self.target) if total > 0 else 0
         return desired, {"total_queue_length": total}

@@ -113,6 +113,9 @@ class Limits(_Strict):
     max_prompts: int = Field(16, ge=1, description="Upper bound on prompts in one batch request.")
     max_prompt_chars: int = Field(4000, ge=1)
     max_guidance_scale: float = Field(50.0, ge=0)
+    max_body_bytes: int = Field(
+        1024 * 1024, ge=1024, description="HTTP request bodies above this get 413 before they are parsed."
+    )
 
 
 class AutoscalingSettings(_Strict):
@@ -174,7 +177,13 @@ class ReplicaConfig(_Strict):
         3, ge=1, description="Failed model loads before the deployment is marked failed."
     )
     max_consecutive_failures: int = Field(
-        5, ge=1, description="Engine failures in a row after which the replica reports itself unhealthy."
+        5,
+        ge=1,
+        description="Engine failures in a row after which the replica runs a self-test call; it reports "
+        "itself unhealthy only if that fails too (requests alone never make a replica unhealthy).",
+    )
+    init_timeout_s: float = Field(
+        1800.0, gt=0, description="Model load plus warm-up longer than this fails the replica's start."
     )
 
 
@@ -216,6 +225,9 @@ class IngressConfig(_Strict):
     resources: dict[str, float] = Field(default_factory=dict)
     max_ongoing_requests: int = Field(256, ge=1)
     request_timeout_s: float = Field(600.0, gt=0, description="Deadline for one request end to end.")
+    ready_probe_timeout_s: float = Field(
+        3.0, gt=0, description="How long /health waits for the replicas to say whether they are ready."
+    )
 
 
 class LoraConfig(_Strict):
@@ -242,11 +254,13 @@ class LoraConfig(_Strict):
 
 
 class AuthConfig(_Strict):
-    """Optional API keys. With none set, the HTTP API is open (the default for a local service).
+    """API keys. With no user or admin key set, generation is open to everyone (a local service);
+    the admin routes (adapters, profiling, RPC) are closed unless an admin key is configured or
+    `local_admin` is on.
 
     Keys come from here or from the environment of the ingress's process (comma-separated):
-    `DIFFUSION_API_KEYS` for users, `DIFFUSION_ADMIN_KEYS` for admins. Every route except
-    `/health` then needs `Authorization: Bearer <key>`; adapter administration needs an admin key.
+    `DIFFUSION_API_KEYS` for users, `DIFFUSION_ADMIN_KEYS` for admins. With any key set, every
+    route except `/health`, `/live` and the playground page needs `Authorization: Bearer <key>`.
     Handle callers are other Ray apps inside the cluster and are not asked for keys.
     """
 
@@ -254,6 +268,12 @@ class AuthConfig(_Strict):
     admin_keys: list[str] = Field(default_factory=list, repr=False)
     api_keys_env: str = "DIFFUSION_API_KEYS"
     admin_keys_env: str = "DIFFUSION_ADMIN_KEYS"
+    local_admin: bool = Field(
+        False,
+        description="With no admin key configured, let clients connecting from a loopback address "
+        "(this machine) use the admin routes without a key. For a local demo only: behind a reverse "
+        "proxy on the same machine every client looks local.",
+    )
 
 
 class ProfilingConfig(_Strict):

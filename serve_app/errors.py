@@ -12,15 +12,26 @@ class ServingError(Exception):
     status_code = 500
     error_type = "server_error"
 
-    def __init__(self, message: str, *, param: str | None = None, request_id: str | None = None):
+    retry_after_s: int | None = None  # sent as `Retry-After` when set
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        request_id: str | None = None,
+        retry_after_s: int | None = None,
+    ):
         super().__init__(message)
         self.message = message
         self.param = param
         self.request_id = request_id
+        if retry_after_s is not None:
+            self.retry_after_s = retry_after_s
 
     def __reduce__(self):
         # Keyword-only fields survive the trip through Ray's pickling.
-        return (_rebuild, (type(self), self.message, self.param, self.request_id))
+        return (_rebuild, (type(self), self.message, self.param, self.request_id, self.retry_after_s))
 
     def __str__(self) -> str:
         prefix = f"[{self.request_id}] " if self.request_id else ""
@@ -37,9 +48,18 @@ class ServingError(Exception):
             }
         }
 
+    def headers(self) -> dict[str, str] | None:
+        return {"Retry-After": str(self.retry_after_s)} if self.retry_after_s is not None else None
 
-def _rebuild(cls, message, param, request_id):
-    return cls(message, param=param, request_id=request_id)
+    def with_request_id(self, request_id: str | None) -> ServingError:
+        """A copy of this error for another request (errors of a shared pipeline call)."""
+        return type(self)(
+            self.message, param=self.param, request_id=request_id, retry_after_s=self.retry_after_s
+        )
+
+
+def _rebuild(cls, message, param, request_id, retry_after_s=None):
+    return cls(message, param=param, request_id=request_id, retry_after_s=retry_after_s)
 
 
 class InvalidRequest(ServingError):
@@ -76,6 +96,11 @@ class OutOfMemory(ServingError):
     error_type = "out_of_memory"
 
 
+class PayloadTooLarge(ServingError):
+    status_code = 413
+    error_type = "payload_too_large"
+
+
 class Aborted(ServingError):
     """The request was aborted (by id, or because its caller went away) before it finished."""
 
@@ -92,8 +117,16 @@ class Overloaded(ServingError):
 
 
 class Unavailable(ServingError):
+    """No replica can take the request now (none ready, or every try lost its replica)."""
+
     status_code = 503
     error_type = "unavailable"
+    retry_after_s = 5
+
+
+class ReplicaLost(Unavailable):
+    """The replica holding the request is going away (a fatal device error); the ingress sends
+    the request to another replica, as it does when a replica dies under a request."""
 
 
 class DeadlineExceeded(ServingError):

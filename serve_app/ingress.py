@@ -8,10 +8,8 @@ and no torch here.
 
 import asyncio
 import base64
-import hmac
 import json
 import logging
-import os
 import random
 import re
 import time
@@ -19,27 +17,28 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response, StreamingResponse
 from ray import serve
 from ray.exceptions import NodeDiedError, RayActorError, RayError, RayTaskError, WorkerCrashedError
-from ray.serve.exceptions import BackPressureError
+from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app import metrics
+from serve_app.access import AccessPolicy, BodyLimit, check_api_key, error_response, install, require_admin
 from serve_app.config import AppConfig, Limits
 from serve_app.errors import (
     DeadlineExceeded,
-    Forbidden,
     InvalidRequest,
     NotFound,
     Overloaded,
+    ReplicaLost,
     ServingError,
-    Unauthorized,
     Unavailable,
 )
-from serve_app.lora import Registry, check_adapter_file, check_name
+from serve_app.lora import Registry, check_adapter_file, check_name, shown_path
 from serve_app.schemas import (
     MAX_SEED,
     REQUEST_ID_PATTERN,
@@ -73,70 +72,46 @@ app = FastAPI(
     version="0.1.0",
 )
 _PLAYGROUND = (Path(__file__).parent / "playground.html").read_text()
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 403, 404, 429, 499, 500, 503, 504)}
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 413, 429, 499, 500, 503, 504)}
+# Routes that change the server for everyone: an admin key, or the local opt-in (access.py).
+_ADMIN = {"dependencies": [Depends(require_admin)], "responses": _ERRORS}
 
-
-class _Auth:
-    """API keys of this ingress process; set by DiffusionIngress.__init__ (one ingress per process)."""
-
-    user: tuple[str, ...] = ()
-    admin: tuple[str, ...] = ()
-
-
-# Routes that change the server for everyone: admin keys only.
-_ADMIN_ROUTES = (
-    ("POST", "/v1/loras"),
-    ("DELETE", "/v1/loras/"),
-    ("POST", "/start_profile"),
-    ("POST", "/stop_profile"),
-    ("POST", "/v1/rpc"),
-)
-
-
-def _is_admin_route(method: str, path: str) -> bool:
-    if method == "POST" and path.startswith("/v1/loras/") and path.endswith("/pin"):
-        return True
-    return any(
-        method == m and (path == p or (p.endswith("/") and path.startswith(p))) for m, p in _ADMIN_ROUTES
-    )
-
-
-def _key_in(key: str, keys: tuple[str, ...]) -> bool:
-    return any(hmac.compare_digest(key.encode(), k.encode()) for k in keys)
-
-
-@app.middleware("http")
-async def _check_api_key(request: Request, call_next):
-    path = request.url.path
-    root = request.scope.get("root_path", "")
-    if root and path.startswith(root):  # the app is mounted under its route prefix
-        path = path[len(root) :] or "/"
-    if not (_Auth.user or _Auth.admin) or path == "/health" or (path == "/" and request.method == "GET"):
-        return await call_next(request)
-    scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    key = key.strip()
-    if scheme.lower() != "bearer" or not key:
-        err = Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
-    elif _key_in(key, _Auth.admin):
-        return await call_next(request)
-    elif not _key_in(key, _Auth.user):
-        err = Unauthorized("invalid API key")
-    elif _is_admin_route(request.method, path):
-        err = Forbidden("this route needs an admin key")
-    else:
-        return await call_next(request)
-    return JSONResponse(err.to_body(), status_code=err.status_code, headers={"WWW-Authenticate": "Bearer"})
+app.middleware("http")(check_api_key)
+app.add_middleware(BodyLimit)
 
 
 @app.exception_handler(ServingError)
 async def _serving_error(request: Request, exc: ServingError) -> JSONResponse:
-    headers = {"Retry-After": str(exc.retry_after_s)} if isinstance(exc, Overloaded) else None
-    return JSONResponse(exc.to_body(), status_code=exc.status_code, headers=headers)
+    return error_response(exc)
 
 
 @app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    return await _serving_error(request, validation_to_error(exc.errors()))
+    return error_response(validation_to_error(exc.errors()))
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    """FastAPI's own refusals (unknown route, wrong method) in the project's error body."""
+    kinds = {404: NotFound, 405: InvalidRequest}
+    err = kinds.get(exc.status_code, InvalidRequest)(f"{request.method} {request.url.path}: {exc.detail}")
+    err.status_code = exc.status_code
+    return error_response(err)
+
+
+@app.exception_handler(DeploymentUnavailableError)
+async def _no_replica(request: Request, exc: DeploymentUnavailableError) -> JSONResponse:
+    return error_response(_not_ready())
+
+
+@app.exception_handler(Exception)
+async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+    logger.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+    return error_response(ServingError("internal error; the server log has the details"))
+
+
+def _not_ready() -> Unavailable:
+    return Unavailable("no model replica is ready (still loading and warming up, or being replaced)")
 
 
 def validation_to_error(errors: list[dict[str, Any]]) -> InvalidRequest:
@@ -201,15 +176,45 @@ class DiffusionIngress:
     # No `from __future__ import annotations` in this module: FastAPI must see the real
     # body types of the routes of a class-based Serve ingress.
 
-    def __init__(self, replica: DeploymentHandle, config: dict[str, Any]):
+    def __init__(self, replica: DeploymentHandle, config: AppConfig | dict[str, Any]):
         self.cfg = AppConfig.model_validate(config)
         self.replica = replica
         self._model_info: dict[str, Any] | None = None
         self._rng = random.SystemRandom()
         self.registry = Registry(self.cfg.lora.registry_path)
-        auth = self.cfg.auth
-        _Auth.user = tuple(auth.api_keys) + _env_keys(auth.api_keys_env)
-        _Auth.admin = tuple(auth.admin_keys) + _env_keys(auth.admin_keys_env)
+        self._ready_until = 0.0  # a replica said it was ready: trusted until then
+        install(AccessPolicy.from_config(self.cfg.auth), self.cfg.limits.max_body_bytes)
+
+    # ------------------------------------------------------------------ readiness
+
+    async def ready(self) -> bool:
+        """Whether at least one engine replica has loaded and warmed its model and is healthy.
+
+        A positive answer is trusted for a couple of seconds (and renewed by every result), so
+        readiness costs one broadcast per few seconds, not one per request. Replicas too busy to
+        answer within the probe's time are alive, so they count as ready.
+        """
+        if time.monotonic() < self._ready_until:
+            return True
+        try:
+            answers = await self.replica.broadcast("ready").results_async(
+                timeout_s=self.cfg.ingress.ready_probe_timeout_s, return_exceptions=True
+            )
+        except DeploymentUnavailableError:
+            return False
+        except TimeoutError:
+            answers = [True]
+        if any(a is True for a in answers):
+            self._mark_ready()
+            return True
+        return False
+
+    def _mark_ready(self) -> None:
+        self._ready_until = time.monotonic() + 2.0
+
+    async def _ensure_ready(self) -> None:
+        if not await self.ready():
+            raise _not_ready()
 
     # ------------------------------------------------------------------ Python API (handle callers)
 
@@ -246,21 +251,38 @@ class DiffusionIngress:
                 BatchGenerationRequest if "prompts" in request else GenerationRequest, request
             )
         request = self._prepare(request)
-        gen = self._replica_for(request).options(stream=True).generate_stream.remote(request, preview_every)
+        await self._ensure_ready()
+        rid = request.request_id
+        ing = self.cfg.ingress
+        failures: list[str] = []
         try:
-            async with asyncio.timeout(self.cfg.ingress.request_timeout_s):
-                async for event in gen:
-                    yield event
+            async with asyncio.timeout(ing.request_timeout_s):
+                while len(failures) < ing.max_attempts:
+                    gen = (
+                        self._replica_for(request)
+                        .options(stream=True)
+                        .generate_stream.remote(request, preview_every)
+                    )
+                    started = False
+                    try:
+                        async for event in gen:
+                            started = True
+                            yield event
+                        self._mark_ready()
+                        return
+                    except asyncio.CancelledError:
+                        gen.cancel()
+                        raise
+                    except Exception as e:
+                        err = self._call_error(e, rid, failures)
+                        # A replica lost before the first event: nothing was sent, so try again.
+                        if err is not None or started:
+                            raise err or Unavailable(
+                                "the replica serving this stream died mid-stream", request_id=rid
+                            ) from None
         except TimeoutError:
-            gen.cancel()
-            raise DeadlineExceeded(
-                f"no result within {self.cfg.ingress.request_timeout_s:g}s", request_id=request.request_id
-            ) from None
-        except asyncio.CancelledError:
-            gen.cancel()
-            raise
-        except RayError as e:
-            raise _as_serving_error(e, request.request_id) from None
+            raise DeadlineExceeded(f"no result within {ing.request_timeout_s:g}s", request_id=rid) from None
+        raise _gave_up(failures, rid)
 
     async def abort(self, request_ids: list[str]) -> dict[str, str]:
         """Abort requests by id wherever they are: `aborted`, `finished` or `unknown` per id.
@@ -268,7 +290,7 @@ class DiffusionIngress:
         Aborted callers get an `Aborted` error (HTTP 499); a running request stops at the next
         denoising step, and the others in its pipeline call keep going.
         """
-        answers = await self.replica.broadcast("abort", list(request_ids)).results_async()
+        answers = await self._broadcast("abort", list(request_ids))
         out = {}
         for rid in request_ids:
             seen = {a.get(rid) for a in answers}
@@ -276,7 +298,7 @@ class DiffusionIngress:
         return out
 
     async def request_status(self, request_id: str) -> RequestState:
-        states = await self.replica.broadcast("request_status", request_id).results_async()
+        states = await self._broadcast("request_status", request_id)
         found = [st for st in states if st is not None]
         if not found:
             raise NotFound(f"request_id: no request {request_id!r} is queued, running or recently finished")
@@ -284,7 +306,7 @@ class DiffusionIngress:
         return min(found, key=lambda st: order[st.state])
 
     async def status(self) -> dict[str, Any]:
-        replicas = await self.replica.broadcast("stats").results_async()
+        replicas = await self._broadcast("stats")
         return {
             "model": self.cfg.model.served_name,
             "replicas": sorted(replicas, key=lambda r: r["replica_id"]),
@@ -326,7 +348,14 @@ class DiffusionIngress:
     async def collective_rpc(
         self, method: str, args: list | None = None, kwargs: dict | None = None, timeout: float | None = None
     ) -> list[dict[str, Any]]:
-        """Call `method` on every live replica's engine; errors are reported per replica."""
+        """Call `method` on every live replica's engine; errors are reported per replica.
+
+        Only methods the engine (or its extension) exports can be called; others get a 400."""
+        allowed = (await self._describe()).get("rpc_methods", [])
+        if method not in allowed:
+            raise InvalidRequest(
+                f"method: {method!r} cannot be called; allowed: {', '.join(allowed)}", param="method"
+            )
         return await self._fan_out(
             "collective_rpc", method, list(args or []), dict(kwargs or {}), timeout=timeout
         )
@@ -334,11 +363,33 @@ class DiffusionIngress:
     async def _fan_out(self, name: str, *args, timeout: float | None = None) -> list[dict[str, Any]]:
         """Call every live replica; each answers {replica_id, ok, result | error} and never raises,
         so one replica's failure is reported for that replica instead of failing the call."""
-        try:
-            results = await self.replica.broadcast(name, *args).results_async(timeout_s=timeout)
-        except TimeoutError:
-            raise DeadlineExceeded(f"{name}: not every replica answered within {timeout}s") from None
+        results = await self._broadcast(name, *args, timeout=timeout)
         return sorted(results, key=lambda r: r["replica_id"])
+
+    async def _broadcast(self, method: str, *args, timeout: float | None = None) -> list[Any]:
+        """Every live replica's answer. A replica that dies meanwhile is left out; an error a
+        replica raises on purpose (a `ServingError`) is raised; no replica: 503."""
+        try:
+            answers = await self.replica.broadcast(method, *args).results_async(
+                timeout_s=timeout, return_exceptions=True
+            )
+        except DeploymentUnavailableError:
+            raise _not_ready() from None
+        except TimeoutError:
+            raise DeadlineExceeded(f"{method}: not every replica answered within {timeout}s") from None
+        out, lost = [], []
+        for a in answers:
+            if not isinstance(a, BaseException):
+                out.append(a)
+            elif isinstance(cause := _unwrap(a), ServingError) and not isinstance(cause, ReplicaLost):
+                raise cause
+            else:
+                lost.append(a)
+        if lost:
+            logger.warning("%s: %d replica(s) did not answer: %s", method, len(lost), lost[0])
+            if not out:
+                raise _not_ready()
+        return out
 
     # ------------------------------------------------------------------ LoRA administration
 
@@ -351,42 +402,47 @@ class DiffusionIngress:
         resolved = check_adapter_file(path, lim.allowed_roots, lim.max_file_mb)
         if name in self.registry.all():
             raise InvalidRequest(f"name: an adapter named {name!r} is already registered", param="name")
-        await self._call(self.replica.validate_lora.remote(str(resolved)))
+        await self._ensure_ready()
+        try:
+            await self.replica.validate_lora.remote(str(resolved))
+        except Exception as e:
+            err = self._call_error(e, name, []) or _not_ready()
+            err.message = err.message.replace(str(resolved), self._shown(str(resolved)))
+            raise err from None
         entry = self.registry.add(name, str(resolved), scale)
         if pinned:
-            entry = await self.pin_lora(name, True)
-        return {"name": name, **entry}
+            return await self.pin_lora(name, True)
+        return self._entry(name, entry)
 
     async def remove_lora(self, name: str) -> dict[str, Any]:
         """Unregister an adapter and evict it from every replica; later requests for it get 404."""
         entry = self.registry.remove(name)
-        evicted = await self.replica.broadcast("evict_lora", name).results_async()
-        return {"name": name, **entry, "evicted_from_replicas": sum(bool(e) for e in evicted)}
+        evicted = await self._broadcast("evict_lora", name)
+        return {**self._entry(name, entry), "evicted_from_replicas": sum(bool(e) for e in evicted)}
 
     async def pin_lora(self, name: str, pinned: bool = True) -> dict[str, Any]:
         """Pin (load on every replica, never evict) or unpin an adapter."""
         entry = self.registry.pin(name, pinned, max_pinned=self.cfg.lora.max_loaded)
-        try:
-            await self.replica.broadcast("pin_lora", name, entry["path"], pinned).results_async()
-        except RayError as e:
-            raise _as_serving_error(e, None) from None
-        return {"name": name, **entry}
+        await self._broadcast("pin_lora", name, entry["path"], pinned)
+        return self._entry(name, entry)
 
     async def list_loras(self) -> dict[str, Any]:
         """The registry (name, path, scale, pinned) and, per replica, the adapters it holds."""
-        registry = [{"name": n, **e} for n, e in sorted(self.registry.all().items())]
-        replicas = await self.replica.broadcast("loaded_loras").results_async()
+        registry = [self._entry(n, e) for n, e in sorted(self.registry.all().items())]
+        replicas = await self._broadcast("loaded_loras")
         return {"adapters": registry, "replicas": sorted(replicas, key=lambda r: r["replica_id"])}
 
-    async def _call(self, response):
-        try:
-            return await response
-        except RayError as e:
-            raise _as_serving_error(e, None) from None
+    def _shown(self, path: str) -> str:
+        return shown_path(path, self.cfg.lora.allowed_roots)
+
+    def _entry(self, name: str, entry: dict[str, Any]) -> dict[str, Any]:
+        """A registry entry as callers see it: its path relative to its adapter root."""
+        return {"name": name, **entry, "path": self._shown(entry["path"])}
 
     async def _submit(self, request: GenerationRequest | BatchGenerationRequest) -> GenerationResult:
         """Send to a replica; retry when the replica dies under it; bound the whole by a deadline."""
         request = self._prepare(request)
+        await self._ensure_ready()
         rid = request.request_id
         ing = self.cfg.ingress
         failures: list[str] = []
@@ -396,36 +452,53 @@ class DiffusionIngress:
                     response = self._replica_for(request).generate.remote(request)
                     try:
                         result = await response
-                        return (
-                            result.model_copy(update={"attempts": len(failures) + 1}) if failures else result
-                        )
                     except asyncio.CancelledError:
                         response.cancel()  # the caller went away, or the deadline passed
                         raise
-                    except _REPLICA_GONE as e:
-                        # The replica died with the request in it. A fixed seed makes the retry
-                        # produce the same image, so another replica may simply run it again.
-                        failures.append(f"{type(e).__name__}")
-                        metrics.count_retry(self.cfg.model.served_name)
-                        logger.warning("request %s: replica lost (%s), attempt %d", rid, e, len(failures))
-                    except BackPressureError:
-                        metrics.count_rejected(self.cfg.model.served_name, "overloaded")
-                        err = Overloaded("every replica's queue is full; retry later", request_id=rid)
-                        err.retry_after_s = ing.retry_after_s
-                        raise err from None
-                    except RayError as e:
-                        raise _as_serving_error(e, rid) from None
+                    except Exception as e:
+                        err = self._call_error(e, rid, failures)
+                        if err is not None:
+                            raise err from None
+                        continue
+                    self._mark_ready()
+                    return result.model_copy(update={"attempts": len(failures) + 1}) if failures else result
         except TimeoutError:
             raise DeadlineExceeded(f"no result within {ing.request_timeout_s:g}s", request_id=rid) from None
-        raise Unavailable(
-            f"the replica serving this request died {len(failures)} time(s) "
-            f"({', '.join(failures)}); giving up",
-            request_id=rid,
-        )
+        raise _gave_up(failures, rid)
+
+    def _call_error(self, e: Exception, rid: str, failures: list[str]) -> ServingError | None:
+        """What a failed replica call means for its caller: None when the replica died or is
+        leaving with the request in it (noted in `failures`: the request may go to another
+        replica, and its fixed seed makes the retry give the same image), else the error."""
+        cause = _unwrap(e)
+        if isinstance(e, _REPLICA_GONE) or isinstance(cause, ReplicaLost):
+            failures.append(type(cause).__name__)
+            metrics.count_retry(self.cfg.model.served_name)
+            logger.warning("request %s: replica lost (%s), attempt %d", rid, e, len(failures))
+            return None
+        if isinstance(e, BackPressureError):
+            metrics.count_rejected(self.cfg.model.served_name, "overloaded")
+            return Overloaded(
+                "every replica's queue is full; retry later",
+                request_id=rid,
+                retry_after_s=self.cfg.ingress.retry_after_s,
+            )
+        if isinstance(e, DeploymentUnavailableError):
+            return _not_ready().with_request_id(rid)
+        if isinstance(cause, ServingError):
+            return cause
+        if isinstance(e, RayError):
+            return _as_serving_error(e, rid)
+        logger.exception("request %s: unexpected error", rid, exc_info=e)
+        return ServingError("internal error; the server log has the details", request_id=rid)
 
     async def _describe(self) -> dict[str, Any]:
         if self._model_info is None:
-            self._model_info = await self.replica.describe.remote()
+            await self._ensure_ready()
+            try:
+                self._model_info = await self.replica.describe.remote()
+            except Exception as e:
+                raise (self._call_error(e, None, []) or _not_ready()) from None
         return self._model_info
 
     # ------------------------------------------------------------------ HTTP API
@@ -438,7 +511,7 @@ class DiffusionIngress:
     async def images_generations_batch(self, body: ImagesBatchRequest) -> Response:
         return await self._http_generate(body, body.to_generation_request)
 
-    @app.get("/v1/models", response_model=ModelList)
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def list_models(self) -> ModelList:
         return await self.models()
 
@@ -446,43 +519,43 @@ class DiffusionIngress:
     async def get_request(self, request_id: str) -> RequestState:
         return await self.request_status(request_id)
 
-    @app.post("/v1/requests/{request_id}/abort", response_model=AbortResponse)
+    @app.post("/v1/requests/{request_id}/abort", response_model=AbortResponse, responses=_ERRORS)
     async def abort_request(self, request_id: str) -> AbortResponse:
         return _abort_response(request_id, (await self.abort([request_id]))[request_id])
 
-    @app.delete("/v1/requests/{request_id}", response_model=AbortResponse)
+    @app.delete("/v1/requests/{request_id}", response_model=AbortResponse, responses=_ERRORS)
     async def delete_request(self, request_id: str) -> AbortResponse:
         return _abort_response(request_id, (await self.abort([request_id]))[request_id])
 
-    @app.post("/v1/loras", responses=_ERRORS)
+    @app.post("/v1/loras", **_ADMIN)
     async def http_add_lora(self, body: LoraAdd) -> dict[str, Any]:
         return await self.add_lora(body.name, body.path, body.scale, body.pinned)
 
-    @app.get("/v1/loras")
+    @app.get("/v1/loras", responses=_ERRORS)
     async def http_list_loras(self) -> dict[str, Any]:
         return await self.list_loras()
 
-    @app.delete("/v1/loras/{name}", responses=_ERRORS)
+    @app.delete("/v1/loras/{name}", **_ADMIN)
     async def http_remove_lora(self, name: str) -> dict[str, Any]:
         return await self.remove_lora(name)
 
-    @app.post("/v1/loras/{name}/pin", responses=_ERRORS)
+    @app.post("/v1/loras/{name}/pin", **_ADMIN)
     async def http_pin_lora(self, name: str, body: LoraPin | None = None) -> dict[str, Any]:
         return await self.pin_lora(name, body.pinned if body is not None else True)
 
-    @app.post("/start_profile", responses=_ERRORS)
+    @app.post("/start_profile", **_ADMIN)
     async def http_start_profile(self, body: ProfileStart | None = None) -> list[dict[str, Any]]:
         return await self.start_profile(body.prefix if body else "trace")
 
-    @app.post("/stop_profile", responses=_ERRORS)
+    @app.post("/stop_profile", **_ADMIN)
     async def http_stop_profile(self) -> list[dict[str, Any]]:
         return await self.stop_profile()
 
-    @app.post("/v1/rpc", responses=_ERRORS)
+    @app.post("/v1/rpc", **_ADMIN)
     async def http_collective_rpc(self, body: RpcCall) -> list[dict[str, Any]]:
         return await self.collective_rpc(body.method, body.args, body.kwargs, body.timeout)
 
-    @app.get("/v1/status")
+    @app.get("/v1/status", responses=_ERRORS)
     async def get_status(self) -> dict[str, Any]:
         return await self.status()
 
@@ -491,8 +564,15 @@ class DiffusionIngress:
         """The playground page: static, no data in it, so it needs no key (its calls send one)."""
         return HTMLResponse(_PLAYGROUND)
 
-    @app.get("/health")
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
     async def health(self) -> dict[str, str]:
+        """Readiness: 200 once an engine replica has loaded and warmed its model, 503 while none is."""
+        await self._ensure_ready()
+        return {"status": "ok"}
+
+    @app.get("/live")
+    async def live(self) -> dict[str, str]:
+        """Liveness of this ingress: 200 while it runs, whatever the engine replicas do."""
         return {"status": "ok"}
 
     async def _http_generate(self, body, to_request) -> Response:
@@ -523,6 +603,12 @@ class DiffusionIngress:
                     yield _sse_data({"type": "result", **_images_response(event, response_format)})
         except ServingError as e:
             yield _sse_data({"type": "error", **e.to_body()})
+        except Exception as e:  # never a broken stream: the client always learns how it ended
+            logger.exception("stream %s failed", request.request_id, exc_info=e)
+            err = ServingError(
+                "internal error; the server log has the details", request_id=request.request_id
+            )
+            yield _sse_data({"type": "error", **err.to_body()})
         yield "data: [DONE]\n\n"
 
 
@@ -564,16 +650,19 @@ def _abort_response(request_id: str, outcome: str) -> AbortResponse:
     return AbortResponse(request_id=request_id, result=outcome, message=_ABORT_MESSAGES[outcome])
 
 
+def _gave_up(failures: list[str], request_id: str) -> Unavailable:
+    return Unavailable(
+        f"the replica serving this request died {len(failures)} time(s) ({', '.join(failures)}); giving up",
+        request_id=request_id,
+    )
+
+
 def _as_serving_error(e: RayError, request_id: str | None) -> ServingError:
     cause = _unwrap(e)
     if isinstance(cause, ServingError):
         return cause
     logger.warning("request %s: replica call failed: %s", request_id, e)
     return Unavailable(f"replica unavailable: {type(e).__name__}", request_id=request_id)
-
-
-def _env_keys(var: str) -> tuple[str, ...]:
-    return tuple(k.strip() for k in os.environ.get(var, "").split(",") if k.strip())
 
 
 def _request_id() -> str:

@@ -50,7 +50,7 @@ def check_adapter_file(path: str, allowed_roots: list[str], max_file_mb: float) 
     roots = [Path(r).expanduser().resolve() for r in allowed_roots]
     if not any(resolved == r or r in resolved.parents for r in roots):
         raise Forbidden(
-            f"path: {path!r} resolves outside the allowed roots ({', '.join(map(str, roots))})", param="path"
+            f"path: {path!r} resolves outside the adapter roots (lora.allowed_roots)", param="path"
         )
     if resolved.suffix != ".safetensors":
         raise InvalidRequest("path: only .safetensors adapter files are loaded (never pickles)", param="path")
@@ -60,6 +60,17 @@ def check_adapter_file(path: str, allowed_roots: list[str], max_file_mb: float) 
     if size_mb > max_file_mb:
         raise InvalidRequest(f"path: {size_mb:.1f} MB is above the limit of {max_file_mb:g} MB", param="path")
     return resolved
+
+
+def shown_path(path: str, allowed_roots: list[str]) -> str:
+    """`path` as callers may see it: relative to the adapter root that holds it, never the
+    server's absolute path (the file name alone if no root holds it any more)."""
+    p = Path(path)
+    for root in allowed_roots:
+        r = Path(root).expanduser().resolve()
+        if r in p.parents:
+            return str(p.relative_to(r))
+    return p.name
 
 
 class Registry:

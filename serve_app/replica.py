@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import os
+import re
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,10 +30,27 @@ from ray import serve
 
 from serve_app import metrics
 from serve_app.autoscaling import QUEUE_LENGTH_METRIC
-from serve_app.config import BatchingConfig, LoraConfig, ModelConfig
-from serve_app.engine import CallParams, EngineOutput, LoraError, Row, encode_image
+from serve_app.config import BatchingConfig, LoraConfig, ModelConfig, ProfilingConfig, ReplicaConfig
+from serve_app.engine import (
+    CallParams,
+    EngineOutput,
+    InvalidArguments,
+    LoraError,
+    ModelLoadError,
+    Row,
+    encode_image,
+    rpc_methods,
+)
 from serve_app.engine.engine import engine_class, latents_preview
-from serve_app.errors import Aborted, EngineFailure, InvalidRequest, OutOfMemory, ServingError, Unavailable
+from serve_app.errors import (
+    Aborted,
+    EngineFailure,
+    InvalidRequest,
+    OutOfMemory,
+    ReplicaLost,
+    ServingError,
+    Unavailable,
+)
 from serve_app.lora import Registry
 from serve_app.schemas import (
     BatchGenerationRequest,
@@ -59,6 +78,7 @@ class _Job:
     started: float | None = None
     state: str = "queued"
     step: int = 0
+    total_steps: int = 0  # steps of all its pipeline calls, once it runs
     listeners: list[asyncio.Queue] = field(default_factory=list)
 
     @property
@@ -83,23 +103,24 @@ class _LastCall:
 class DiffusionReplica:
     def __init__(
         self,
-        model: dict[str, Any],
-        batching: dict[str, Any] | None = None,
-        max_consecutive_failures: int = 5,
-        engine_call_timeout_s: float = 900.0,
-        lora: dict[str, Any] | None = None,
-        trace_dir: str = "~/.cache/diffusion-serve/traces",
+        model: ModelConfig | dict[str, Any],
+        batching: BatchingConfig | dict[str, Any] | None = None,
+        replica: ReplicaConfig | dict[str, Any] | None = None,
+        lora: LoraConfig | dict[str, Any] | None = None,
+        profiling: ProfilingConfig | dict[str, Any] | None = None,
     ):
+        # Typed settings pass through as they are (validated once, when the app was built).
         self.cfg = ModelConfig.model_validate(model)
         self.lora_cfg = LoraConfig.model_validate(lora or {})
         self.batching = BatchingConfig.model_validate(batching or {})
+        self.replica_cfg = ReplicaConfig.model_validate(replica or {})
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
         # Loading and warm-up happen here: a replica takes traffic only once it can serve it,
         # and a model that cannot load fails the deployment with the engine's message.
         # They run on the engine thread, the only thread that ever runs torch: each thread
         # that enters an OpenMP region gets its own pool of spinning workers, and two pools on
         # the same cores made the CPU pipeline 1.8x slower (measured: 391 vs 218 ms).
-        self.engine = self._engine_thread.submit(engine_class(self.cfg.engine_extension), self.cfg).result()
+        self.engine = self._start_engine(self.replica_cfg.init_timeout_s)
         # Image encoding (zlib and numpy release the GIL) runs beside the engine, one task per
         # image: a 512x512 PNG costs 5-20 ms of CPU here (engine._png), and 8 of them one after
         # another would keep the last caller of a batch waiting for the other 7.
@@ -116,20 +137,34 @@ class DiffusionReplica:
         self._last_call: _LastCall | None = None  # see _fill_deadline
         self._wakeup: asyncio.Event | None = None
         self._loop_task: asyncio.Task | None = None
-        self._max_failures = max_consecutive_failures
+        self._max_failures = self.replica_cfg.max_consecutive_failures
         self._consecutive_failures = 0
         self._counts = collections.Counter()
-        self._trace_dir = trace_dir
+        self._trace_dir = ProfilingConfig.model_validate(profiling or {}).trace_dir
         self._profiler = None
         self._profile_prefix = ""
-        self._call_timeout_s = engine_call_timeout_s
+        self._call_timeout_s = self.replica_cfg.engine_call_timeout_s
         self._call_started: float | None = None
-        self._fatal: str | None = None
+        self._fatal: str | None = None  # a device error: this replica is leaving
+        self._broken: str | None = None  # failures in a row and a failed self-test
         # Converge to the registry before taking traffic: a replica that starts late (autoscaling,
         # a replacement) holds the pinned adapters like the others, without anyone asking.
         for name, entry in Registry(self.lora_cfg.registry_path).all().items():
             if entry.get("pinned"):
                 self._engine_thread.submit(self._hold_lora, name, entry["path"], True).result()
+
+    def _start_engine(self, timeout_s: float):
+        """Build (load and warm up) the engine on the engine thread, within `timeout_s`."""
+        t = time.monotonic()
+        future = self._engine_thread.submit(engine_class(self.cfg.engine_extension), self.cfg)
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise ModelLoadError(
+                f"model {self.cfg.source!r}: load and warm-up did not finish within "
+                f"replica.init_timeout_s={timeout_s:g}s (gave up after {time.monotonic() - t:.1f}s)"
+            ) from None
 
     def reconfigure(self, user_config: dict[str, Any]) -> None:
         """Serve `user_config`: batching settings change at run time, without a restart."""
@@ -167,10 +202,13 @@ class DiffusionReplica:
 
     def _submit(self, request: BatchGenerationRequest, preview_every: int = 0) -> _Job:
         rid = request.request_id or "unnamed"
+        if self._fatal:
+            raise ReplicaLost(f"replica is restarting after a device error: {self._fatal}", request_id=rid)
         try:
-            self.engine.check_extra(request.extra)
+            extra = self.engine.check_extra(request.extra)
         except ValueError as e:
             raise InvalidRequest(str(e), param="extra", request_id=rid) from None
+        request = request.model_copy(update={"extra": extra})
         if rid in self._jobs:
             raise InvalidRequest(f"request_id: {rid!r} is already queued or running", param="request_id")
         embeds = _embeds(request)
@@ -313,7 +351,7 @@ class DiffusionReplica:
         self._finished[job.request_id] = {
             "state": state,
             "step": job.step,
-            "total_steps": job.params.steps,
+            "total_steps": job.total_steps or job.params.steps,
             "error": error,
         }
         while len(self._finished) > _FINISHED_KEPT:
@@ -334,7 +372,7 @@ class DiffusionReplica:
                 state=job.state,
                 queue_position=position,
                 step=job.step,
-                total_steps=job.params.steps,
+                total_steps=job.total_steps or job.params.steps,
                 images=len(job.rows),
             )
         done = self._finished.get(request_id)
@@ -350,13 +388,18 @@ class DiffusionReplica:
             self._loop_task = asyncio.get_running_loop().create_task(self._engine_loop())
 
     def _gather(self) -> list[_Job]:
-        """The oldest queued job and the queued jobs that can share its pipeline call."""
+        """The oldest queued job and the queued jobs that can share its pipeline call.
+
+        A job with more images than `max_batch_images` runs alone, in calls of at most that
+        many images (see `_run_call`), so no request makes one call larger than the setting.
+        """
         head = self._queue[0]
+        limit = self.batching.max_batch_images
         batch, images = [head], len(head.rows)
         for job in list(self._queue)[1:]:
-            if images >= self.batching.max_batch_images:
+            if images >= limit:
                 break
-            if job.batch_key == head.batch_key and images + len(job.rows) <= self.batching.max_batch_images:
+            if job.batch_key == head.batch_key and images + len(job.rows) <= limit:
                 batch.append(job)
                 images += len(job.rows)
         return batch
@@ -415,6 +458,8 @@ class DiffusionReplica:
             for job in batch:
                 self._queue.remove(job)
                 job.state, job.started = "running", time.perf_counter()
+                calls = -(-len(job.rows) // self.batching.max_batch_images)
+                job.total_steps = job.params.steps * calls
             self._running = batch
             rows = [r for j in batch for r in j.rows]
             hook = self._step_hook(batch, loop)
@@ -428,7 +473,11 @@ class DiffusionReplica:
                         self._retire(job, "failed", err.message)
                         self._counts["failed"] += 1
                         if not job.future.done():
-                            job.future.set_exception(_copy_error(err, job.request_id))
+                            job.future.set_exception(err.with_request_id(job.request_id))
+                if self._fatal:
+                    self._leave(loop)
+                elif self._consecutive_failures >= self._max_failures:
+                    await loop.run_in_executor(self._engine_thread, self._self_test)
             else:
                 self._consecutive_failures = 0
                 self._deliver(batch, out)
@@ -441,11 +490,50 @@ class DiffusionReplica:
                 metrics.set_queue_length(self.engine.model_name, self.queue_length())
 
     def _run_call(self, batch: list[_Job], rows: list[Row], hook) -> EngineOutput:
-        """On the engine thread: load the call's adapter if this replica lacks it, then run."""
+        """On the engine thread: load the call's adapter if this replica lacks it, then run the
+        rows in pipeline calls of at most `max_batch_images` (one call unless one job is larger)."""
         params = batch[0].params
         if params.lora is not None:
             self._hold_lora(params.lora[0], batch[0].request.lora.path)
-        return self.engine.run(rows, params, hook)
+        size = self.batching.max_batch_images
+        chunks = [rows[k : k + size] for k in range(0, len(rows), size)]
+        parts = []
+        for k, chunk in enumerate(chunks):
+            offset = k * params.steps  # progress counts on across the calls of one request
+            part = self.engine.run(chunk, params, lambda i, n, x, o=offset: hook(o + i, n * len(chunks), x))
+            parts.append(part)
+            if part.interrupted:
+                break
+        return EngineOutput.concat(parts)
+
+    def _self_test(self) -> None:
+        """Engine thread, after `max_consecutive_failures` failed calls in a row: callers'
+        requests alone never make a replica unhealthy, so ask the engine to run a known-good
+        call; only if that fails too is the engine broken."""
+        n = self._consecutive_failures
+        try:
+            self.engine.self_test()
+        except Exception as e:
+            self._broken = f"{n} engine failures in a row, then the self-test failed: {type(e).__name__}: {e}"
+            logger.error("replica unhealthy: %s", self._broken)
+            return
+        logger.warning("%d engine failures in a row, but the self-test call works: still healthy", n)
+        self._consecutive_failures = 0
+        self._counts["self_tests_passed"] += 1
+
+    def _leave(self, loop: asyncio.AbstractEventLoop) -> None:
+        """After a fatal device error: hand every queued request back (the ingress sends them to
+        another replica) and end this actor, so that Serve replaces it now."""
+        for job in list(self._queue):
+            self._queue.remove(job)
+            self._retire(job, "failed", self._fatal)
+            if not job.future.done():
+                job.future.set_exception(
+                    ReplicaLost(f"replica is restarting after a device error: {self._fatal}",
+                                request_id=job.request_id)
+                )  # fmt: skip
+        if _replica_id() != "local":  # inside Serve; a replica driven by tests stays alive
+            loop.call_later(0.5, _exit_actor)
 
     def _deliver(self, batch: list[_Job], out: EngineOutput) -> None:
         metrics.observe_batch(self.engine.model_name, len(out.images))
@@ -491,11 +579,16 @@ class DiffusionReplica:
         return hook
 
     def _classify(self, e: Exception, batch: list[_Job]) -> ServingError:
+        """A failed call's error for its callers. Only failures of the engine count towards the
+        self-test; a caller's bad arguments and running out of memory do not."""
         rid = batch[0].request_id
         rows = sum(len(j.rows) for j in batch)
         p = batch[0].params
         if isinstance(e, LoraError):
             return InvalidRequest(f"lora: {e}", param="lora", request_id=rid)
+        if isinstance(e, InvalidArguments):
+            param = "extra" if p.extra else None
+            return InvalidRequest(_no_paths(str(e)), param=param, request_id=rid)
         if isinstance(e, torch.OutOfMemoryError):
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
@@ -506,12 +599,14 @@ class DiffusionReplica:
                 request_id=rid,
             )
         self._consecutive_failures += 1
+        logger.exception("request %s failed in the engine", rid, exc_info=e)
         if _is_fatal_device_error(e):
             # A CUDA error of this kind poisons the context: no later call can succeed here.
+            # The requests of this call go to another replica too: the device failed, not they.
             self._fatal = f"fatal device error: {type(e).__name__}: {e}"
-            logger.error("replica unhealthy after request %s: %s", rid, self._fatal)
-        logger.exception("request %s failed in the engine", rid, exc_info=e)
-        return EngineFailure(f"engine error: {type(e).__name__}: {e}", request_id=rid)
+            logger.error("replica leaving after request %s: %s", rid, self._fatal)
+            return ReplicaLost(f"replica is restarting after a device error: {self._fatal}", request_id=rid)
+        return EngineFailure(f"engine error: {type(e).__name__}: {_no_paths(str(e))}", request_id=rid)
 
     # ------------------------------------------------------------------ LoRA adapters
 
@@ -628,9 +723,13 @@ class DiffusionReplica:
         """Call an engine method (or its worker extension's) on the engine thread, on this replica."""
 
         async def call():
-            fn = getattr(self.engine, method, None) if not method.startswith("_") else None
-            if not callable(fn):
-                raise InvalidRequest(f"method: the engine has no public method {method!r}", param="method")
+            allowed = rpc_methods(self.engine)
+            if method not in allowed:
+                raise InvalidRequest(
+                    f"method: {method!r} cannot be called; the engine exports {', '.join(allowed)}",
+                    param="method",
+                )
+            fn = getattr(self.engine, method)
             return await self._on_engine(lambda: fn(*args, **kwargs))
 
         return await _outcome(call())
@@ -654,6 +753,7 @@ class DiffusionReplica:
             "rss_mb": round(_rss_mb(), 1),
             "batching": self.batching.model_dump(),
             "loras_loaded": list(self._loras),
+            "engine_failures_in_a_row": self._consecutive_failures,
             "counts": dict(self._counts),
         }
 
@@ -670,6 +770,8 @@ class DiffusionReplica:
     def _health_problem(self) -> str | None:
         if self._fatal:
             return self._fatal
+        if self._broken:
+            return self._broken
         task = self._loop_task
         if task is not None and task.done():
             return f"engine loop stopped: {task.exception() if not task.cancelled() else 'cancelled'}"
@@ -677,9 +779,11 @@ class DiffusionReplica:
         if started is not None and time.monotonic() - started > self._call_timeout_s:
             ran = time.monotonic() - started
             return f"a pipeline call has run for {ran:.0f}s (limit {self._call_timeout_s:g}s)"
-        if self._consecutive_failures >= self._max_failures:
-            return f"{self._consecutive_failures} engine failures in a row"
         return None
+
+    def ready(self) -> bool:
+        """Loaded, warmed up (the constructor did both) and healthy: the ingress's readiness."""
+        return self._health_problem() is None
 
     async def check_health(self) -> None:
         """Raise when the engine is broken beyond one request, so that Serve replaces us."""
@@ -766,8 +870,19 @@ def _rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def _copy_error(err: ServingError, request_id: str) -> ServingError:
-    return type(err)(err.message, param=err.param, request_id=request_id)
+_PATH = re.compile(r"(?<![\w.])/(?:[\w.@+-]+/)+[\w.@+-]*")
+
+
+def _no_paths(message: str) -> str:
+    """An engine's error text for a caller, without the server's file paths in it."""
+    return _PATH.sub("<path>", message)
+
+
+def _exit_actor() -> None:
+    """End this replica's actor; Serve starts a replacement at once."""
+    import ray
+
+    ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
 
 
 DiffusionReplicaDeployment = serve.deployment(DiffusionReplica, name="DiffusionReplica")

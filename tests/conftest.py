@@ -43,6 +43,9 @@ TEST_ARGS = {
     # pipeline call however slowly a loaded machine delivers them.
     "batching": {"max_batch_images": 8, "batch_wait_ms": 100, "batch_gap_ms": 0},
     "ingress": {"num_cpus": 0, "request_timeout_s": 120},
+    # The tests call the admin routes from this machine without a key (the local-demo opt-in);
+    # test_auth.py checks that without it they are closed.
+    "auth": {"local_admin": True},
     "lora": {"registry_path": str(SESSION_DIR / "registry.json"), "allowed_roots": [str(ADAPTER_DIR)],
              "max_loaded": 2, "max_file_mb": 1},
 }  # fmt: skip

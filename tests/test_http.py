@@ -208,11 +208,16 @@ def test_engine_error_is_500_with_request_id_and_replica_keeps_serving(client):
     assert client.post(GEN, json={"prompt": "after a failure"}).status_code == 200
 
 
-def test_real_pipeline_error_is_500(client):
-    # DDIM takes no custom sigmas: the pipeline itself raises inside the engine.
+def test_arguments_the_pipeline_refuses_are_a_400_not_an_engine_failure(client):
+    # DDIM takes no custom sigmas: the pipeline itself raises inside the engine, on the caller's value.
+    before = client.get("/v1/status").json()["replicas"][0]["counts"].get("failed", 0)
     r = client.post(GEN, json={"prompt": "a", "extra": {"sigmas": [1.0, 0.5]}})
-    assert r.status_code == 500, r.text
-    assert r.json()["error"]["request_id"]
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "extra" and "sigmas" in err["message"] and err["request_id"]
+    rep = client.get("/v1/status").json()["replicas"][0]
+    assert rep["healthy"] and rep["counts"].get("failed", 0) == before + 1
+    assert rep["engine_failures_in_a_row"] == 0  # a caller's mistake is not the engine's failure
     assert client.post(GEN, json={"prompt": "after a pipeline error"}).status_code == 200
 
 

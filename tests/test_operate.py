@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 import os
 
+import pytest
+
+from serve_app.errors import InvalidRequest
+
 
 def test_profile_start_stop_writes_a_trace_per_replica(client):
     assert client.post("/stop_profile").json()[0]["ok"] is False  # stop without start: a clear error
@@ -28,8 +32,27 @@ def test_collective_rpc_reaches_engine_and_extension_methods(client, handle):
     assert out and all(r["ok"] and r["result"] == {"pong": "hi", "model": "tiny-sd"} for r in out)
     out = client.post("/v1/rpc", json={"method": "describe"}).json()
     assert out[0]["result"]["pipeline"] == "StableDiffusionPipeline"
-    bad = client.post("/v1/rpc", json={"method": "no_such_method"}).json()
-    assert not bad[0]["ok"] and "no public method 'no_such_method'" in bad[0]["error"]
-    private = handle.collective_rpc.remote("_sync").result()
-    assert not private[0]["ok"]
+    assert client.post("/v1/images/generations", json={"prompt": "still serving"}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "method, args",
+    [
+        ("no_such_method", []),
+        ("close", []),  # would leave the replica without a pipeline
+        ("load_lora", ["x", "/etc/passwd"]),  # would read a file outside lora.allowed_roots
+        ("unload_lora", ["x"]),
+        ("run", []),
+        ("_sync", []),
+        ("__init__", []),
+    ],
+)
+def test_rpc_is_an_allow_list(client, handle, method, args):
+    r = client.post("/v1/rpc", json={"method": method, "args": args})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "method" and "describe" in err["message"] and "ping" in err["message"]
+    assert "passwd" not in r.text and "root" not in r.text
+    with pytest.raises(InvalidRequest):
+        handle.collective_rpc.remote(method, args).result()
     assert client.post("/v1/images/generations", json={"prompt": "still serving"}).status_code == 200

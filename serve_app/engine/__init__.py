@@ -4,18 +4,24 @@ from serve_app.engine.engine import (
     CallParams,
     DiffusionEngine,
     EngineOutput,
+    InvalidArguments,
     LoraError,
     ModelLoadError,
     Row,
     encode_image,
+    exported,
+    rpc_methods,
 )
 
 __all__ = [
     "CallParams",
     "DiffusionEngine",
     "EngineOutput",
+    "InvalidArguments",
     "LoraError",
     "ModelLoadError",
     "Row",
     "encode_image",
+    "exported",
+    "rpc_methods",
 ]

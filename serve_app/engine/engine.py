@@ -15,6 +15,7 @@ import logging
 import os
 import struct
 import time
+import typing
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,8 +41,33 @@ class LoraError(ValueError):
     """An adapter file that cannot be used with this model; the message says why."""
 
 
+class InvalidArguments(ValueError):
+    """The pipeline refused this call's arguments: the caller's mistake, not the engine's."""
+
+
+# What a pipeline raises for arguments it cannot take; with `extra` set, diffusers passes the
+# caller's values deep into the call, so these types are taken as the caller's mistake then too.
+_ARGUMENT_ERRORS = (ValueError, TypeError, KeyError, IndexError, AssertionError)
+
+
 class ModelLoadError(RuntimeError):
     """The configured model cannot be loaded; the message says why and what to change."""
+
+
+def exported(fn):
+    """Mark an engine (or engine extension) method as callable through collective RPC.
+
+    Only marked methods can be called that way: RPC reaches every replica at once, so
+    nothing that closes the engine, loads files or changes what other requests get is marked.
+    """
+    fn.rpc_exported = True
+    return fn
+
+
+def rpc_methods(engine: Any) -> list[str]:
+    """The names collective RPC may call on `engine`."""
+    cls = type(engine)
+    return sorted(n for n in dir(cls) if getattr(getattr(cls, n, None), "rpc_exported", False))
 
 
 @dataclass(frozen=True)
@@ -85,6 +111,33 @@ class EngineOutput:
     trajectory_timesteps: list[float] | None = None
     steps_run: int = 0
     interrupted: bool = False
+
+    @classmethod
+    def concat(cls, parts: Sequence[EngineOutput]) -> EngineOutput:
+        """One output from the outputs of consecutive calls over consecutive rows."""
+        if len(parts) == 1:
+            return parts[0]
+        timings: dict[str, float] = {}
+        for p in parts:
+            for k, v in p.timings_ms.items():
+                timings[k] = timings.get(k, 0.0) + v
+        latents = [p.latents for p in parts]
+        traj = [p.trajectory_latents for p in parts]
+        return cls(
+            images=[im for p in parts for im in p.images],
+            timings_ms=timings,
+            peak_memory_mb=max(p.peak_memory_mb for p in parts),
+            memory_kind=parts[0].memory_kind,
+            latents=torch.cat(latents) if all(x is not None for x in latents) else None,
+            trajectory_latents=(
+                [torch.cat(step) for step in zip(*traj, strict=True)]
+                if all(x is not None for x in traj)
+                else None
+            ),
+            trajectory_timesteps=parts[0].trajectory_timesteps,
+            steps_run=parts[-1].steps_run,
+            interrupted=any(p.interrupted for p in parts),
+        )
 
     def slice(self, start: int, stop: int) -> EngineOutput:
         """The part of a batched call's output that belongs to rows [start, stop)."""
@@ -360,6 +413,7 @@ class DiffusionEngine:
     def model_name(self) -> str:
         return self.cfg.served_name
 
+    @exported
     def describe(self) -> dict[str, Any]:
         return {
             "model": self.model_name,
@@ -373,6 +427,7 @@ class DiffusionEngine:
             "default_steps": self.cfg.default_steps,
             "default_guidance_scale": self.cfg.default_guidance_scale,
             "load_s": round(self.load_s, 3),
+            "rpc_methods": rpc_methods(self),
         }
 
     def _native_size(self) -> tuple[int, int]:
@@ -385,10 +440,26 @@ class DiffusionEngine:
         native = int(sample) * int(scale)
         return self.cfg.default_height or native, self.cfg.default_width or native
 
-    def _named_call_args(self) -> set[str]:
+    def _named_call_args(self) -> dict[str, Any]:
+        """The pipeline call's own arguments that `extra` may set, each with a validator of its
+        annotated type (None where the annotation says nothing checkable)."""
+        from pydantic import ConfigDict, TypeAdapter
+
         params = inspect.signature(self.pipe.__call__).parameters
-        named = {n for n, p in params.items() if p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)}
-        return named - RESERVED_EXTRA_KEYS
+        try:
+            hints = typing.get_type_hints(type(self.pipe).__call__)
+        except Exception:  # an annotation that does not resolve: names only
+            hints = {}
+        config = ConfigDict(arbitrary_types_allowed=True, allow_inf_nan=False)
+        out = {}
+        for name, p in params.items():
+            if p.kind in (p.VAR_KEYWORD, p.VAR_POSITIONAL) or name in RESERVED_EXTRA_KEYS:
+                continue
+            try:
+                out[name] = TypeAdapter(hints[name], config=config) if name in hints else None
+            except Exception:
+                out[name] = None
+        return out
 
     def _text_inputs(self, rows: Sequence[Row]) -> dict[str, Any]:
         """The call's text arguments: prompts, or precomputed embeddings (every row or none)."""
@@ -426,17 +497,33 @@ class DiffusionEngine:
                 f"prompt_embeds: shape {tuple(embeds.shape)} does not fit this model, which wants {want}"
             )
 
-    def check_extra(self, extra: dict[str, Any]) -> None:
-        """Refuse `extra` keys the pipeline's call does not name (diffusers drops them silently)."""
-        unknown = sorted(set(extra) - self._call_args)
+    def check_extra(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """`extra` checked against the pipeline call's signature: names it does not take are
+        refused (diffusers would drop them silently), and each value must fit the argument's
+        annotated type. Returns the values as the pipeline will get them ("0.3" -> 0.3)."""
+        unknown = sorted(set(extra) - set(self._call_args))
         if unknown:
             raise ValueError(
                 f"extra: {type(self.pipe).__name__} takes no argument {', '.join(map(repr, unknown))}; "
                 f"it takes: {', '.join(sorted(self._call_args))}"
             )
+        out = {}
+        for name, value in extra.items():
+            adapter = self._call_args[name]
+            if adapter is None:
+                out[name] = value
+                continue
+            try:
+                out[name] = adapter.validate_python(value)
+            except Exception as e:
+                errors = getattr(e, "errors", lambda: [])()
+                why = errors[0]["msg"] if errors else str(e)
+                raise ValueError(f"extra.{name}: {why} (got {value!r:.60})") from None
+        return out
 
     # ------------------------------------------------------------------ LoRA adapters
 
+    @exported
     def loaded_loras(self) -> list[str]:
         return sorted({n for names in self.pipe.get_list_adapters().values() for n in names})
 
@@ -492,6 +579,10 @@ class DiffusionEngine:
         self._active_lora = want
 
     # ------------------------------------------------------------------ running
+
+    def self_test(self) -> None:
+        """One short known-good call; raises if the engine cannot run even that."""
+        self.warmup()
 
     def warmup(self) -> None:
         t = time.perf_counter()
@@ -558,6 +649,11 @@ class DiffusionEngine:
             ).images
         except _StopCall:
             images = []
+        except _ARGUMENT_ERRORS as e:
+            # Checks of the inputs run before the first denoising step and raise ValueError.
+            if (st.denoise_start is None and isinstance(e, ValueError)) or params.extra:
+                raise InvalidArguments(f"the pipeline refused the arguments: {type(e).__name__}: {e}") from e
+            raise
         finally:
             self._state = None
         end = time.perf_counter()

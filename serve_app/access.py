@@ -1,0 +1,180 @@
+"""Who and what may reach the HTTP routes: API keys, the admin routes, and the body size.
+
+HTTP callers are untrusted; handle callers inside the Ray cluster never pass through here.
+Routes that change the server for everyone (adapters, profiling, RPC) depend on
+`require_admin`, so a route is an admin route by what it declares, not by a path pattern.
+With no admin key configured they are closed, unless the operator opted in to anonymous
+administration from this machine (`auth.local_admin`), for a local demo.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+import os
+from dataclasses import dataclass
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from serve_app.config import AuthConfig
+from serve_app.errors import Forbidden, PayloadTooLarge, ServingError, Unauthorized
+
+# Routes anyone may call, keys or not: probes and the static playground page.
+OPEN_ROUTES = {("GET", "/health"), ("GET", "/live"), ("GET", "/"), ("HEAD", "/health"), ("HEAD", "/live")}
+
+ADMIN_CLOSED = (
+    "this route changes the server for every user and is closed: configure admin keys "
+    "(auth.admin_keys or the DIFFUSION_ADMIN_KEYS environment variable) and send one as "
+    "'Authorization: Bearer <key>', or, for a local demo, set auth.local_admin: true and call "
+    "from this machine (see the README, 'Access control')"
+)
+
+
+def _env_keys(var: str) -> tuple[str, ...]:
+    return tuple(k.strip() for k in os.environ.get(var, "").split(",") if k.strip())
+
+
+def _key_in(key: str, keys: tuple[str, ...]) -> bool:
+    return any(hmac.compare_digest(key.encode(), k.encode()) for k in keys)
+
+
+def is_loopback(host: str | None) -> bool:
+    try:
+        return host is not None and ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class AccessPolicy:
+    user_keys: tuple[str, ...] = ()
+    admin_keys: tuple[str, ...] = ()
+    local_admin: bool = False
+
+    @classmethod
+    def from_config(cls, auth: AuthConfig) -> AccessPolicy:
+        return cls(
+            user_keys=tuple(auth.api_keys) + _env_keys(auth.api_keys_env),
+            admin_keys=tuple(auth.admin_keys) + _env_keys(auth.admin_keys_env),
+            local_admin=auth.local_admin,
+        )
+
+    @property
+    def keys_required(self) -> bool:
+        return bool(self.user_keys or self.admin_keys)
+
+    def _bearer(self, authorization: str) -> str | None:
+        scheme, _, key = authorization.partition(" ")
+        return key.strip() if scheme.lower() == "bearer" and key.strip() else None
+
+    def check_caller(self, method: str, path: str, authorization: str) -> ServingError | None:
+        """Any route: with keys configured, a valid user or admin key (401 otherwise)."""
+        if not self.keys_required or (method, path) in OPEN_ROUTES:
+            return None
+        key = self._bearer(authorization)
+        if key is None:
+            return Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
+        if _key_in(key, self.admin_keys) or _key_in(key, self.user_keys):
+            return None
+        return Unauthorized("invalid API key")
+
+    def check_admin(self, authorization: str, client_host: str | None) -> ServingError | None:
+        """Admin routes: an admin key, or (no admin key configured) the local opt-in."""
+        key = self._bearer(authorization)
+        if self.admin_keys:
+            if key is not None and _key_in(key, self.admin_keys):
+                return None
+            return Forbidden("this route needs an admin key")
+        if self.local_admin and is_loopback(client_host):
+            return None
+        return Forbidden(ADMIN_CLOSED)
+
+
+class _Installed:
+    """The policy and body limit of the ingress in this process. Serve serves a copy of the
+    FastAPI app that it unpickles in the replica, so the ingress cannot reach that copy's state
+    from its constructor; it installs its settings here (one ingress per process)."""
+
+    policy = AccessPolicy()
+    max_body_bytes: int | None = None
+
+
+def install(policy: AccessPolicy, max_body_bytes: int) -> None:
+    _Installed.policy = policy
+    _Installed.max_body_bytes = max_body_bytes
+
+
+def _policy(request: Request) -> AccessPolicy:
+    return _Installed.policy
+
+
+def route_path(request: Request) -> str:
+    """The path below the app's route prefix."""
+    path = request.url.path
+    root = request.scope.get("root_path", "")
+    if root and path.startswith(root):
+        path = path[len(root) :] or "/"
+    return path
+
+
+def error_response(err: ServingError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(err.to_body(), status_code=err.status_code, headers=headers or err.headers())
+
+
+async def check_api_key(request: Request, call_next):
+    """HTTP middleware: 401 without a valid key where keys are configured."""
+    err = _policy(request).check_caller(
+        request.method, route_path(request), request.headers.get("authorization", "")
+    )
+    if err is not None:
+        return error_response(err, {"WWW-Authenticate": "Bearer"})
+    return await call_next(request)
+
+
+async def require_admin(request: Request) -> None:
+    """Route dependency of every admin route."""
+    client = request.client.host if request.client else None
+    err = _policy(request).check_admin(request.headers.get("authorization", ""), client)
+    if err is not None:
+        raise err
+
+
+class BodyLimit:
+    """ASGI middleware: a request body over `max_bytes` gets 413 before anything parses it,
+    whether it declares its length or streams in chunks."""
+
+    def __init__(self, app, max_bytes: int | None = None):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    def _limit(self, scope) -> int | None:
+        return _Installed.max_body_bytes or self.max_bytes
+
+    async def __call__(self, scope, receive, send):
+        limit = self._limit(scope) if scope["type"] == "http" else None
+        if limit is None:
+            return await self.app(scope, receive, send)
+        too_large = PayloadTooLarge(
+            f"body: the request body is larger than the limit of {limit} bytes", param="body"
+        )
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    declared = int(value)
+                except ValueError:
+                    declared = 0
+                if declared > limit:
+                    return await error_response(too_large)(scope, receive, send)
+        seen = 0
+
+        async def counted():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise too_large
+            return message
+
+        return await self.app(scope, counted, send)
