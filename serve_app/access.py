@@ -141,7 +141,7 @@ async def require_admin(request: Request) -> None:
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over `max_bytes` gets 413 before anything parses it,
+    """ASGI middleware: a request body over the limit gets 413 before anything parses it,
     whether it declares its length or streams in chunks."""
 
     def __init__(self, app, max_bytes: int | None = None):
@@ -166,15 +166,21 @@ class BodyLimit:
                     declared = 0
                 if declared > limit:
                     return await error_response(too_large)(scope, receive, send)
-        seen = 0
-
-        async def counted():
-            nonlocal seen
+        # A body that streams in chunks is read here, up to the limit, before the app sees it
+        # (FastAPI would turn an error raised mid-body into a parse error); it is small.
+        messages, seen = [], 0
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > limit:
-                    raise too_large
-            return message
+            messages.append(message)
+            if message["type"] != "http.request":
+                break
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                return await error_response(too_large)(scope, receive, send)
+            if not message.get("more_body", False):
+                break
 
-        return await self.app(scope, counted, send)
+        async def replay():
+            return messages.pop(0) if messages else await receive()
+
+        return await self.app(scope, replay, send)

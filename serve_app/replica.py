@@ -282,6 +282,7 @@ class DiffusionReplica:
             total_ms=(time.perf_counter() - job.enqueued) * 1e3,
             batch_images=t["batch_images"],
             batch_requests=t["batch_requests"],
+            pipeline_calls=t["pipeline_calls"],
             steps=out.steps_run,
         )
         trajectory = None
@@ -501,10 +502,14 @@ class DiffusionReplica:
         for k, chunk in enumerate(chunks):
             offset = k * params.steps  # progress counts on across the calls of one request
             part = self.engine.run(chunk, params, lambda i, n, x, o=offset: hook(o + i, n * len(chunks), x))
+            metrics.observe_batch(self.engine.model_name, len(chunk))
             parts.append(part)
             if part.interrupted:
                 break
-        return EngineOutput.concat(parts)
+        out = EngineOutput.concat(parts)
+        out.timings_ms["batch_images"] = max(len(c) for c in chunks)
+        out.timings_ms["pipeline_calls"] = len(parts)
+        return out
 
     def _self_test(self) -> None:
         """Engine thread, after `max_consecutive_failures` failed calls in a row: callers'
@@ -536,12 +541,10 @@ class DiffusionReplica:
             loop.call_later(0.5, _exit_actor)
 
     def _deliver(self, batch: list[_Job], out: EngineOutput) -> None:
-        metrics.observe_batch(self.engine.model_name, len(out.images))
         start = 0
         for job in batch:
             part = out.slice(start, start + len(job.rows))
             start += len(job.rows)
-            part.timings_ms["batch_images"] = len(out.images)
             part.timings_ms["batch_requests"] = len(batch)
             if job.state != "running":  # aborted during the call: its images are dropped
                 continue

@@ -205,6 +205,9 @@ class StageMetrics(_Wire):
     total_ms: float = 0.0
     batch_images: int = Field(0, description="Images in the pipeline call this request ran in.")
     batch_requests: int = Field(0, description="Requests that shared that pipeline call.")
+    pipeline_calls: int = Field(
+        1, description="Calls the request ran in: more than 1 when it had more images than one call takes."
+    )
     steps: int = 0
 
 

@@ -246,3 +246,132 @@ def _maxdiff(a: bytes, b: bytes) -> int:
     pa = np.asarray(Image.open(io.BytesIO(a))).astype(np.int16)
     pb = np.asarray(Image.open(io.BytesIO(b))).astype(np.int16)
     return int(np.abs(pa - pb).max())
+
+
+def test_a_request_larger_than_one_call_runs_in_calls_of_max_batch_images(replica):
+    # 3 prompts x 3 images = 9 rows with max_batch_images 4: calls of 4, 4 and 1, merged in order,
+    # each image the same as when it runs alone.
+    with batching(replica, max_batch_images=4):
+        big = BatchGenerationRequest(prompts=["x", "y", "z"], num_images=3, request_id="split", seed=7)
+        r = run(replica.generate(big))
+        alone = run(replica.generate(req("z", "split-alone", seed=9)))
+    assert len(r.images) == 9 and r.prompt_index == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert r.seeds == [7, 8, 9] * 3
+    assert r.metrics.batch_images == 4 and r.metrics.pipeline_calls == 3
+    assert _maxdiff(r.images[8], alone.images[0]) <= 1
+    st = replica.request_status("split")
+    assert st.state == "done" and st.step == st.total_steps == 3 * 3  # 3 calls of 3 steps
+
+
+# ----------------------------------------------------------------------------- health
+
+
+@pytest.fixture(scope="module")
+def faulty():
+    """A replica whose engine can be broken on purpose (serve_app.testing.FaultInjection)."""
+    r = DiffusionReplica(
+        {"source": "builtin:tiny-sd", "device": "cpu", "default_height": 32, "default_width": 32,
+         "default_steps": 2, "warmup": False, "warmup_steps": 1,
+         "engine_extension": "serve_app.testing:FaultInjection"},
+        {"max_batch_images": 8, "batch_wait_ms": 0},
+        {"max_consecutive_failures": 3},
+    )  # fmt: skip
+    yield r
+    if r._loop_task is not None:
+        r._loop_task.cancel()
+        run(asyncio.gather(r._loop_task, return_exceptions=True))
+
+
+def _fail(replica, rid: str, prompt: str = "x", **kw):
+    from serve_app.errors import ServingError
+
+    with pytest.raises(ServingError) as e:
+        run(replica.generate(req(prompt, rid, **kw)))
+    return e.value
+
+
+def test_failing_requests_alone_never_make_a_replica_unhealthy(faulty):
+    from serve_app.testing import FAIL_MARKER
+
+    for i in range(10):  # more than max_consecutive_failures, three times over
+        err = _fail(faulty, f"hostile-{i}", prompt=f"bad {FAIL_MARKER}")
+        assert "injected engine failure" in err.message
+    stats = faulty.stats()
+    assert stats["healthy"], stats["health_problem"]
+    assert stats["counts"]["self_tests_passed"] == 3  # after failures 3, 6 and 9: the engine works
+    run(faulty.check_health())
+    assert run(faulty.generate(req("fine", "after-hostile"))).images
+
+
+def test_a_broken_engine_fails_its_self_test_and_reports_unhealthy(faulty):
+    from serve_app.errors import Unavailable
+
+    faulty.engine.set_broken(True)
+    try:
+        for i in range(3):
+            assert "injected broken engine" in _fail(faulty, f"broken-{i}").message
+        problem = faulty.stats()["health_problem"]
+        assert "3 engine failures in a row, then the self-test failed" in problem, problem
+        assert not faulty.ready()
+        with pytest.raises(Unavailable, match="self-test failed"):
+            run(faulty.check_health())
+    finally:
+        faulty.engine.set_broken(False)
+        faulty._broken = None  # Serve would replace the replica; the fixture lives on
+        faulty._consecutive_failures = 0
+
+
+def test_a_call_running_past_its_limit_reports_unhealthy(faulty):
+    from serve_app.errors import Unavailable
+
+    faulty._call_timeout_s = 0.3
+    try:
+
+        async def go():
+            long = asyncio.ensure_future(faulty.generate(req("slow", "hung", width=128, height=128,
+                                                             num_inference_steps=12)))  # fmt: skip
+            await reaches(faulty, "hung", "running")
+            await asyncio.sleep(0.5)
+            with pytest.raises(Unavailable, match=r"a pipeline call has run for \d+s \(limit 0.3s\)"):
+                await faulty.check_health()
+            await long
+            await faulty.check_health()  # the call ended: healthy again
+
+        run(go())
+    finally:
+        faulty._call_timeout_s = 900
+
+
+def test_a_dead_engine_loop_reports_unhealthy(faulty):
+    from serve_app.errors import Unavailable
+
+    run(faulty.generate(req("start the loop", "loop-up")))
+    faulty._loop_task.cancel()
+    run(asyncio.gather(faulty._loop_task, return_exceptions=True))
+    with pytest.raises(Unavailable, match="engine loop stopped"):
+        run(faulty.check_health())
+    faulty._loop_task = None  # the next request starts a new loop (Serve would replace us instead)
+
+
+def test_a_fatal_device_error_hands_every_request_back(faulty):
+    from serve_app.errors import ReplicaLost
+    from serve_app.testing import fault_token_path
+
+    token = fault_token_path("replica-test")
+    open(token, "w").close()
+    faulty.engine.arm_fatal_once("replica-test")
+
+    async def go():
+        running = asyncio.ensure_future(faulty.generate(req("a", "fatal-running")))
+        await asyncio.sleep(0)
+        queued = asyncio.ensure_future(faulty.generate(req("b", "fatal-queued", num_inference_steps=3)))
+        return await asyncio.gather(running, queued, return_exceptions=True)
+
+    try:
+        outcomes = run(go())
+        assert all(isinstance(o, ReplicaLost) for o in outcomes), outcomes
+        assert not faulty.ready() and "fatal device error" in faulty.stats()["health_problem"]
+        with pytest.raises(ReplicaLost):  # and it takes nothing new
+            run(faulty.generate(req("c", "fatal-after")))
+    finally:
+        faulty._fatal = None
