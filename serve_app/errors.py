@@ -12,7 +12,7 @@ class ServingError(Exception):
     status_code = 500
     error_type = "server_error"
 
-    retry_after_s: int | None = None  # sent as `Retry-After` when set
+    default_retry_after_s: int | None = None  # sent as `Retry-After` when set
 
     def __init__(
         self,
@@ -26,8 +26,13 @@ class ServingError(Exception):
         self.message = message
         self.param = param
         self.request_id = request_id
-        if retry_after_s is not None:
-            self.retry_after_s = retry_after_s
+        self._retry_after_s = retry_after_s if retry_after_s is not None else self.default_retry_after_s
+
+    @property
+    def retry_after_s(self) -> int | None:
+        # Read through an instance attribute: the copy Ray raises on a handle caller's side
+        # finds it on the original error, where a class attribute would shadow it.
+        return self._retry_after_s
 
     def __reduce__(self):
         # Keyword-only fields survive the trip through Ray's pickling.
@@ -113,7 +118,7 @@ class Overloaded(ServingError):
 
     status_code = 429
     error_type = "overloaded"
-    retry_after_s = 2
+    default_retry_after_s = 2
 
 
 class Unavailable(ServingError):
@@ -121,7 +126,7 @@ class Unavailable(ServingError):
 
     status_code = 503
     error_type = "unavailable"
-    retry_after_s = 5
+    default_retry_after_s = 5
 
 
 class ReplicaLost(Unavailable):

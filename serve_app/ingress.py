@@ -154,6 +154,12 @@ def check_limits(req: GenerationParams, limits: Limits, prompts: list[str]) -> N
         raise InvalidRequest(
             f"prompts: {len(prompts)} prompts, the maximum is {limits.max_prompts}", param="prompts"
         )
+    for key, value in req.extra.items():
+        # Custom `timesteps` or `sigmas` set the number of steps as surely as num_inference_steps.
+        if isinstance(value, list | tuple) and len(value) > limits.max_steps:
+            raise InvalidRequest(
+                f"extra.{key}: {len(value)} items, the maximum is {limits.max_steps}", param=f"extra.{key}"
+            )
     for p in prompts:
         if len(p) > limits.max_prompt_chars:
             raise InvalidRequest(
@@ -267,6 +273,8 @@ class DiffusionIngress:
                     try:
                         async for event in gen:
                             started = True
+                            if failures and isinstance(event, GenerationResult):
+                                event = event.model_copy(update={"attempts": len(failures) + 1})
                             yield event
                         self._mark_ready()
                         return
@@ -280,6 +288,7 @@ class DiffusionIngress:
                             raise err or Unavailable(
                                 "the replica serving this stream died mid-stream", request_id=rid
                             ) from None
+                        await _backoff(failures)
         except TimeoutError:
             raise DeadlineExceeded(f"no result within {ing.request_timeout_s:g}s", request_id=rid) from None
         raise _gave_up(failures, rid)
@@ -459,6 +468,7 @@ class DiffusionIngress:
                         err = self._call_error(e, rid, failures)
                         if err is not None:
                             raise err from None
+                        await _backoff(failures)
                         continue
                     self._mark_ready()
                     return result.model_copy(update={"attempts": len(failures) + 1}) if failures else result
@@ -648,6 +658,12 @@ _ABORT_MESSAGES = {
 
 def _abort_response(request_id: str, outcome: str) -> AbortResponse:
     return AbortResponse(request_id=request_id, result=outcome, message=_ABORT_MESSAGES[outcome])
+
+
+async def _backoff(failures: list[str]) -> None:
+    """Before trying another replica: a replica that is leaving answers at once, and until the
+    router hears that it is gone, an immediate retry may well pick it again."""
+    await asyncio.sleep(min(2.0, 0.2 * 2 ** (len(failures) - 1)))
 
 
 def _gave_up(failures: list[str], request_id: str) -> Unavailable:

@@ -538,7 +538,7 @@ class DiffusionReplica:
                                 request_id=job.request_id)
                 )  # fmt: skip
         if _replica_id() != "local":  # inside Serve; a replica driven by tests stays alive
-            loop.call_later(0.5, _exit_actor)
+            loop.call_later(0.1, _exit_actor)  # once the answers above are on their way
 
     def _deliver(self, batch: list[_Job], out: EngineOutput) -> None:
         start = 0

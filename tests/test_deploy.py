@@ -83,3 +83,21 @@ def test_model_that_cannot_load_fails_the_deployment_fast_with_its_reason(ray_cl
         assert elapsed < 60, f"took {elapsed:.0f}s to fail"
     finally:
         serve.delete("broken")
+
+
+def test_a_start_past_its_deadline_fails_with_the_model_and_the_time(ray_cluster):
+    from ray import serve
+
+    args = {
+        "model": {"source": "builtin:tiny-sd", "device": "cpu", "default_height": 128, "default_width": 128,
+                  "warmup_steps": 30},
+        "replica": {"num_cpus": 0, "max_constructor_retry_count": 1, "init_timeout_s": 0.5},
+        "ingress": {"num_cpus": 0},
+    }  # fmt: skip
+    with pytest.raises(RuntimeError):
+        serve.run(build_app(args), name="late", route_prefix="/late")
+    try:
+        message = serve.status().applications["late"].deployments["DiffusionReplica"].message
+        assert "'builtin:tiny-sd'" in message and "replica.init_timeout_s=0.5s" in message, message
+    finally:
+        serve.delete("late")

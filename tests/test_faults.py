@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import copy
+import json
+import os
 import random
 import threading
 import time
@@ -19,7 +21,7 @@ import ray
 from ray import serve
 
 from serve_app.app import build_app
-from serve_app.testing import FATAL_MARKER
+from serve_app.testing import fault_token_path
 from tests.conftest import TEST_ARGS, wait_for
 
 pytestmark = pytest.mark.slow
@@ -58,23 +60,87 @@ def replica_actors(app: str) -> list[str]:
     ]
 
 
-def test_fatal_device_error_gets_the_replica_replaced(app_factory, client):
-    prefix = app_factory("fatal", replica={"health_check_period_s": 1, "health_check_timeout_s": 5})
-    before = status(client, prefix)["replicas"][0]["replica_id"]
-    r = client.post(f"{prefix}/v1/images/generations", json={"prompt": FATAL_MARKER})
-    assert r.status_code == 500 and "illegal memory access" in r.json()["error"]["message"]
-    t = time.monotonic()
+def arm_fatal(client, prefix: str, token: str) -> str:
+    """Break exactly one replica's device on its next call (serve_app.testing.FaultInjection)."""
+    path = fault_token_path(token)
+    open(path, "w").close()
+    r = client.post(f"{prefix}/v1/rpc", json={"method": "arm_fatal_once", "args": [token]})
+    assert r.status_code == 200 and all(x["ok"] for x in r.json()), r.text
+    return path
 
-    def replaced():
-        try:
-            reps = status(client, prefix)["replicas"]
-        except Exception:
-            return False
-        return reps and reps[0]["replica_id"] != before and reps[0]["healthy"]
 
-    wait_for(replaced, 90)
-    print(f"\nfatal device error: replacement replica healthy after {time.monotonic() - t:.1f}s")
-    assert client.post(f"{prefix}/v1/images/generations", json={"prompt": "after"}).status_code == 200
+def replica_ids(client, prefix) -> set[str]:
+    try:
+        return {r["replica_id"] for r in status(client, prefix)["replicas"]}
+    except Exception:
+        return set()
+
+
+def test_fatal_device_error_fails_over_at_once_and_loses_no_request(app_factory, client, base_url):
+    # The broken replica leaves by itself at once (a replica that only reported itself unhealthy
+    # would stay listed until Serve replaced it after three failed checks, 30 s here); Serve sees
+    # the dead actor at its next health check and starts a replacement.
+    app = "fatal"
+    period = 10
+    prefix = app_factory(
+        app,
+        replica={"num_replicas": 2, "health_check_period_s": period},
+        batching={"batch_wait_ms": 5},
+        ingress={"max_attempts": 5},  # a retry may meet the leaving replica before it is gone
+    )
+    wait_for(lambda: len(replica_ids(client, prefix)) == 2, 60)
+    before = replica_ids(client, prefix)
+    outcomes: list[tuple[int, dict]] = []
+    stop = threading.Event()
+
+    def clients(c: int) -> None:
+        with httpx.Client(base_url=base_url, timeout=90) as http:
+            i = 0
+            while not stop.is_set():
+                body = {"prompt": f"load {c}", "seed": c * 1000 + i, "num_inference_steps": 4}
+                r = http.post(f"{prefix}/v1/images/generations", json=body)
+                outcomes.append((r.status_code, r.json()))
+                i += 1
+
+    threads = [threading.Thread(target=clients, args=(c,), daemon=True) for c in range(4)]
+    for t in threads:
+        t.start()
+    wait_for(lambda: len(outcomes) >= 4, 60)
+    token = arm_fatal(client, prefix, "under-load")
+    t0 = time.monotonic()
+    wait_for(lambda: not os.path.exists(token), 30)  # one replica took the fault
+    wait_for(lambda: len(replica_ids(client, prefix) & before) == 1, 5)  # and is gone
+    gone_s = time.monotonic() - t0
+    wait_for(
+        lambda: len(replica_ids(client, prefix) - before) == 1 and len(replica_ids(client, prefix)) == 2, 90
+    )
+    replaced_s = time.monotonic() - t0
+    n_after = len(outcomes)
+    wait_for(lambda: len(outcomes) >= n_after + 4, 60)
+    stop.set()
+    for t in threads:
+        t.join(90)
+        assert not t.is_alive(), "a client is still waiting: a request hung"
+    failed = [(s, b) for s, b in outcomes if s != 200]
+    retried = [b for s, b in outcomes if s == 200 and b["attempts"] > 1]
+    print(
+        f"\nfatal device error under load: broken replica gone {gone_s:.1f}s and replaced {replaced_s:.1f}s "
+        f"after the fault (health checks every {period} s); {len(outcomes)} requests, {len(failed)} "
+        f"failed, {len(retried)} retried"
+    )
+    assert not failed, failed[:3]
+    assert retried, "no request was in the broken replica: the test did not test the hand-back"
+
+    # A stream whose replica breaks before its first event is sent again, like a plain request.
+    token = arm_fatal(client, prefix, "stream")
+    with client.stream(
+        "POST",
+        f"{prefix}/v1/images/generations",
+        json={"prompt": "streamed", "stream": True, "num_inference_steps": 3},
+    ) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert not os.path.exists(token)  # the fault fired
+    assert events[-1]["type"] == "result" and events[-1]["attempts"] >= 2, events[-1]
 
 
 def test_a_per_request_error_does_not_fail_health(client, base_url):
@@ -161,6 +227,21 @@ def test_overload_gets_429_with_retry_after_and_memory_stays_bounded(app_factory
     for r in rs:
         if r.status_code == 429:
             assert r.headers["Retry-After"] == "2" and r.json()["error"]["type"] == "overloaded"
+    # Overload on a stream: an error event with the same body, not a broken connection.
+    with httpx.Client(base_url=base_url, timeout=120, limits=httpx.Limits(max_connections=64)) as http:
+
+        def stream(i):
+            with http.stream("POST", f"{prefix}/v1/images/generations", json={**body, "stream": True}) as r:
+                return [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+
+        with cf.ThreadPoolExecutor(20) as pool:
+            streams = list(pool.map(stream, range(20)))
+    ends = [json.loads(ev[-2]) for ev in streams]
+    assert {e["type"] for e in ends} <= {"result", "error"} and all(ev[-1] == "[DONE]" for ev in streams)
+    overloaded = [e for e in ends if e["type"] == "error"]
+    assert overloaded and all(
+        e["error"]["type"] == "overloaded" and e["error"]["code"] == 429 for e in overloaded
+    )
     rss1 = status(client, prefix)["replicas"][0]["rss_mb"]
     n_ok, n_429 = codes.count(200), codes.count(429)
     print(f"\noverload: {n_ok} ok, {n_429} x 429; replica RSS {rss0:.0f} -> {rss1:.0f} MB")
@@ -240,13 +321,22 @@ def test_deadline_gives_504_and_stops_the_work(app_factory, client):
 
     st = wait_for(aborted, 30)
     assert st["step"] < 40
+    # The same deadline on a stream arrives as an error event, then the end of the stream.
+    with client.stream(
+        "POST", f"{prefix}/v1/images/generations", json={**body, "request_id": "late-stream", "stream": True}
+    ) as r:
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    err = json.loads(events[-2])
+    assert err["type"] == "error" and err["error"]["type"] == "timeout" and events[-1] == "[DONE]"
 
 
 def test_overload_on_the_handle_raises_overloaded(app_factory, client):
     from serve_app.errors import Overloaded
     from serve_app.schemas import GenerationRequest
 
-    app_factory("bph", replica={"max_ongoing_requests": 1, "max_queued_requests": 1})
+    app_factory(
+        "bph", replica={"max_ongoing_requests": 1, "max_queued_requests": 1}, ingress={"retry_after_s": 7}
+    )
     handle = serve.get_app_handle("bph")
     reqs = [handle.generate.remote(GenerationRequest(prompt="x", width=64, height=64, num_inference_steps=6))
             for _ in range(12)]  # fmt: skip
@@ -256,6 +346,6 @@ def test_overload_on_the_handle_raises_overloaded(app_factory, client):
             r.result()
             outcomes.append("ok")
         except Overloaded as e:
-            assert e.status_code == 429
+            assert e.status_code == 429 and e.retry_after_s == 7  # the configured value, across Ray
             outcomes.append("overloaded")
     assert "overloaded" in outcomes and "ok" in outcomes, outcomes

@@ -43,6 +43,7 @@ HOSTILE = [
     ({"json": {"prompt": "a", "extra": {"sigmas": [1.0, 0.5]}}}, 400),  # the pipeline refuses it
     ({"json": {"prompt": "a", "extra": {"timesteps": [999, 500, -3]}}}, 400),
     ({"json": {"prompt": "a", "extra": {"eta": None}}}, 400),
+    ({"json": {"prompt": "a", "extra": {"timesteps": list(range(1000, 0, -1))}}}, 400),  # 1000 steps
     ({"json": {"prompt": "a", "extra": {"clip_skip": 99}}}, 400),
     ({"json": {"prompt": "a", "extra": {"output_type": "latent"}}}, 400),
     ({"json": {"prompt": "a", "width": 12}}, 400),
