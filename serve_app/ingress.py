@@ -73,6 +73,8 @@ app = FastAPI(
 )
 _PLAYGROUND = (Path(__file__).parent / "playground.html").read_text()
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 413, 429, 499, 500, 503, 504)}
+# The image routes answer JSON, or with `stream: true` Server-Sent Events.
+_IMAGE_RESPONSES = {**_ERRORS, 200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}}}
 # Routes that change the server for everyone: an admin key, or the local opt-in (access.py).
 _ADMIN = {"dependencies": [Depends(require_admin)], "responses": _ERRORS}
 
@@ -513,11 +515,11 @@ class DiffusionIngress:
 
     # ------------------------------------------------------------------ HTTP API
 
-    @app.post("/v1/images/generations", response_model=ImagesResponse, responses=_ERRORS)
+    @app.post("/v1/images/generations", response_model=ImagesResponse, responses=_IMAGE_RESPONSES)
     async def images_generations(self, body: ImagesGenerationRequest) -> Response:
         return await self._http_generate(body, body.to_generation_request)
 
-    @app.post("/v1/images/generations/batch", response_model=ImagesResponse, responses=_ERRORS)
+    @app.post("/v1/images/generations/batch", response_model=ImagesResponse, responses=_IMAGE_RESPONSES)
     async def images_generations_batch(self, body: ImagesBatchRequest) -> Response:
         return await self._http_generate(body, body.to_generation_request)
 
