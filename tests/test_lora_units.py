@@ -31,9 +31,9 @@ def test_path_checks(tmp_path):
     (root / "weights.bin").write_bytes(b"\0" * 10)
     (root / "big.safetensors").write_bytes(b"\0" * 3 * 2**20)
     cases = [
-        (str(outside), Forbidden, "outside the allowed roots"),
+        (str(outside), Forbidden, "outside the adapter roots"),
         (str(root / ".." / "outside.safetensors"), Forbidden, "'..'"),
-        (str(root / "link.safetensors"), Forbidden, "outside the allowed roots"),
+        (str(root / "link.safetensors"), Forbidden, "outside the adapter roots"),
         (str(root / "weights.bin"), InvalidRequest, "only .safetensors"),
         (str(root / "missing.safetensors"), InvalidRequest, "no adapter file"),
         (str(root / "big.safetensors"), InvalidRequest, "above the limit of 1 MB"),
