@@ -8,7 +8,6 @@ and no torch here.
 
 import asyncio
 import base64
-import json
 import logging
 import random
 import re
@@ -26,7 +25,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve_app import metrics
+from serve_app import metrics, sse
 from serve_app.access import AccessPolicy, BodyLimit, check_api_key, error_response, install, require_admin
 from serve_app.config import AppConfig, Limits
 from serve_app.errors import (
@@ -57,9 +56,13 @@ from serve_app.schemas import (
     LoraRef,
     ModelCard,
     ModelList,
+    Outcome,
+    PreparedRequest,
     ProfileStart,
+    ReplicaStats,
     RequestState,
     RpcCall,
+    StatusResponse,
     StepEvent,
     new_request_id,
 )
@@ -258,8 +261,8 @@ class DiffusionIngress:
             request = _validated(
                 BatchGenerationRequest if "prompts" in request else GenerationRequest, request
             )
-        request = self._prepare(request)
         await self._ensure_ready()
+        request = await self._prepare(request)
         rid = request.request_id
         ing = self.cfg.ingress
         failures: list[str] = []
@@ -316,27 +319,39 @@ class DiffusionIngress:
         order = {"running": 0, "queued": 1, "done": 2, "failed": 3, "aborted": 4}
         return min(found, key=lambda st: order[st.state])
 
-    async def status(self) -> dict[str, Any]:
-        replicas = await self._broadcast("stats")
-        return {
-            "model": self.cfg.model.served_name,
-            "replicas": sorted(replicas, key=lambda r: r["replica_id"]),
-            "queue_length": sum(r["queued_images"] + r["running_images"] for r in replicas),
-        }
+    async def status(self) -> StatusResponse:
+        replicas: list[ReplicaStats] = await self._broadcast("stats")
+        return StatusResponse(
+            model=self.cfg.model.served_name,
+            replicas=sorted(replicas, key=lambda r: r.replica_id),
+            queue_length=sum(r.queued_images + r.running_images for r in replicas),
+        )
 
-    def _prepare(self, request: GenerationRequest | BatchGenerationRequest):
-        """Check limits; fix the id and the seed, so a retried request makes the same image;
-        resolve the adapter from the registry (404 if it is not registered)."""
+    async def _prepare(
+        self, request: GenerationRequest | BatchGenerationRequest | PreparedRequest
+    ) -> PreparedRequest:
+        """Check limits and fill in every default, once: the id and the seed (so a retried
+        request makes the same image), the model's size, steps and guidance, and the adapter's
+        registered scale and file (404 if it is not registered)."""
+        if isinstance(request, PreparedRequest):
+            return request
         check_limits(request, self.cfg.limits, request.prompts)
-        update = {
-            "request_id": request.request_id or _request_id(),
-            "seed": request.seed if request.seed is not None else self._rng.randrange(MAX_SEED),
-        }
+        lora = None
         if request.lora is not None:
             entry = self.registry.get(request.lora.name)
             scale = request.lora.scale if request.lora.scale is not None else entry["scale"]
-            update["lora"] = LoraRef(name=request.lora.name, scale=scale, path=entry["path"])
-        return request.model_copy(update=update)
+            lora = LoraRef(name=request.lora.name, scale=scale, path=entry["path"])
+        info = await self._describe()
+        return PreparedRequest.from_request(
+            request,
+            request_id=_request_id(),
+            seed=self._rng.randrange(MAX_SEED),
+            height=info["default_height"],
+            width=info["default_width"],
+            steps=self.cfg.model.default_steps,
+            guidance_scale=self.cfg.model.default_guidance_scale,
+            lora=lora,
+        )
 
     def _replica_for(self, request) -> DeploymentHandle:
         """Requests naming an adapter go preferably to replicas that hold it (Serve multiplexing)."""
@@ -346,19 +361,19 @@ class DiffusionIngress:
 
     # ------------------------------------------------------------------ profiling and collective RPC
 
-    async def start_profile(self, prefix: str = "trace") -> list[dict[str, Any]]:
+    async def start_profile(self, prefix: str = "trace") -> list[Outcome]:
         """Every live replica starts the torch profiler; per-replica outcomes."""
         if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", prefix):
             raise InvalidRequest("prefix: 1-64 letters, digits, '.', '_' or '-'", param="prefix")
         return await self._fan_out("start_profile", prefix)
 
-    async def stop_profile(self) -> list[dict[str, Any]]:
+    async def stop_profile(self) -> list[Outcome]:
         """Every live replica stops its profiler and writes a trace; the reply lists the files."""
         return await self._fan_out("stop_profile")
 
     async def collective_rpc(
         self, method: str, args: list | None = None, kwargs: dict | None = None, timeout: float | None = None
-    ) -> list[dict[str, Any]]:
+    ) -> list[Outcome]:
         """Call `method` on every live replica's engine; errors are reported per replica.
 
         Only methods the engine (or its extension) exports can be called; others get a 400."""
@@ -371,11 +386,11 @@ class DiffusionIngress:
             "collective_rpc", method, list(args or []), dict(kwargs or {}), timeout=timeout
         )
 
-    async def _fan_out(self, name: str, *args, timeout: float | None = None) -> list[dict[str, Any]]:
-        """Call every live replica; each answers {replica_id, ok, result | error} and never raises,
-        so one replica's failure is reported for that replica instead of failing the call."""
+    async def _fan_out(self, name: str, *args, timeout: float | None = None) -> list[Outcome]:
+        """Call every live replica; each answers an `Outcome` and never raises, so one
+        replica's failure is reported for that replica instead of failing the call."""
         results = await self._broadcast(name, *args, timeout=timeout)
-        return sorted(results, key=lambda r: r["replica_id"])
+        return sorted(results, key=lambda r: r.replica_id)
 
     async def _broadcast(self, method: str, *args, timeout: float | None = None) -> list[Any]:
         """Every live replica's answer. A replica that dies meanwhile is left out; an error a
@@ -452,8 +467,8 @@ class DiffusionIngress:
 
     async def _submit(self, request: GenerationRequest | BatchGenerationRequest) -> GenerationResult:
         """Send to a replica; retry when the replica dies under it; bound the whole by a deadline."""
-        request = self._prepare(request)
         await self._ensure_ready()
+        request = await self._prepare(request)
         rid = request.request_id
         ing = self.cfg.ingress
         failures: list[str] = []
@@ -556,19 +571,19 @@ class DiffusionIngress:
         return await self.pin_lora(name, body.pinned if body is not None else True)
 
     @app.post("/start_profile", **_ADMIN)
-    async def http_start_profile(self, body: ProfileStart | None = None) -> list[dict[str, Any]]:
+    async def http_start_profile(self, body: ProfileStart | None = None) -> list[Outcome]:
         return await self.start_profile(body.prefix if body else "trace")
 
     @app.post("/stop_profile", **_ADMIN)
-    async def http_stop_profile(self) -> list[dict[str, Any]]:
+    async def http_stop_profile(self) -> list[Outcome]:
         return await self.stop_profile()
 
     @app.post("/v1/rpc", **_ADMIN)
-    async def http_collective_rpc(self, body: RpcCall) -> list[dict[str, Any]]:
+    async def http_collective_rpc(self, body: RpcCall) -> list[Outcome]:
         return await self.collective_rpc(body.method, body.args, body.kwargs, body.timeout)
 
-    @app.get("/v1/status", responses=_ERRORS)
-    async def get_status(self) -> dict[str, Any]:
+    @app.get("/v1/status", response_model=StatusResponse, responses=_ERRORS)
+    async def get_status(self) -> StatusResponse:
         return await self.status()
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
@@ -596,7 +611,8 @@ class DiffusionIngress:
         except ValueError as e:  # pydantic ValidationError is a ValueError
             raise validation_to_error(e.errors()) from None
         if body.stream:
-            request = self._prepare(request)  # bad input still gets its 400 before the stream opens
+            await self._ensure_ready()
+            request = await self._prepare(request)  # bad input still gets its 400 before the stream opens
             events = self._sse(request, body.response_format, body.preview_every)
             return StreamingResponse(
                 events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
@@ -606,26 +622,13 @@ class DiffusionIngress:
         # ours unless the body chose another one (see _request_id).
         return JSONResponse(_images_response(result, body.response_format))
 
-    async def _sse(self, request, response_format: str, preview_every: int) -> AsyncIterator[str]:
-        try:
-            async for event in self.generate_stream(request, preview_every):
-                if isinstance(event, StepEvent):
-                    yield _sse_data({"type": "step", **event.model_dump(mode="json", exclude_none=True)})
-                else:
-                    yield _sse_data({"type": "result", **_images_response(event, response_format)})
-        except ServingError as e:
-            yield _sse_data({"type": "error", **e.to_body()})
-        except Exception as e:  # never a broken stream: the client always learns how it ended
-            logger.exception("stream %s failed", request.request_id, exc_info=e)
-            err = ServingError(
-                "internal error; the server log has the details", request_id=request.request_id
-            )
-            yield _sse_data({"type": "error", **err.to_body()})
-        yield "data: [DONE]\n\n"
+    def _sse(self, request: PreparedRequest, response_format: str, preview_every: int) -> AsyncIterator[str]:
+        def render(item: StepEvent | GenerationResult) -> dict[str, Any]:
+            if isinstance(item, StepEvent):
+                return {"type": "step", **item.model_dump(mode="json", exclude_none=True)}
+            return {"type": "result", **_images_response(item, response_format)}
 
-
-def _sse_data(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+        return sse.frame(self.generate_stream(request, preview_every), render, request.request_id)
 
 
 def _images_response(result: GenerationResult, response_format: str) -> dict[str, Any]:

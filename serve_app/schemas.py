@@ -33,19 +33,9 @@ from pydantic import (
 from serve_app.errors import InvalidRequest
 
 OutputFormat = Literal["png", "jpeg", "webp"]
+MemoryKind = Literal["cuda", "cpu_rss"]
 MAX_SEED = 2**62
 REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-
-# Pipeline call arguments the engine sets itself; `extra` may not override them.
-RESERVED_EXTRA_KEYS = frozenset(
-    {
-        "prompt", "prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negative_prompt_3",
-        "height", "width", "num_inference_steps", "guidance_scale", "generator", "num_images_per_prompt",
-        "output_type", "return_dict", "callback_on_step_end", "callback_on_step_end_tensor_inputs",
-        "callback", "callback_steps", "latents", "prompt_embeds", "negative_prompt_embeds",
-        "pooled_prompt_embeds", "negative_pooled_prompt_embeds",
-    }
-)  # fmt: skip
 
 
 def new_request_id() -> str:
@@ -61,13 +51,6 @@ def _check_request_id(v: str | None) -> str | None:
 def _check_prompt(v: str) -> str:
     if not v.strip():
         raise ValueError("must not be empty")
-    return v
-
-
-def _check_extra(v: dict[str, Any]) -> dict[str, Any]:
-    bad = sorted(RESERVED_EXTRA_KEYS.intersection(v))
-    if bad:
-        raise ValueError(f"may not set {', '.join(bad)}: use the request's own fields")
     return v
 
 
@@ -91,7 +74,9 @@ B64Bytes = Annotated[
 Prompt = Annotated[str, AfterValidator(_check_prompt)]
 Prompts = Annotated[list[str], Field(min_length=1), AfterValidator(_check_prompts)]
 RequestId = Annotated[str | None, AfterValidator(_check_request_id)]
-Extra = Annotated[dict[str, Any], AfterValidator(_check_extra)]
+Extra = Annotated[
+    dict[str, Any], Field(description="More keyword arguments for the pipeline call, checked by the engine.")
+]
 
 
 class _Wire(BaseModel):
@@ -158,7 +143,7 @@ class GenerationParams(_Wire):
     return_latents: bool = False
     return_trajectory: bool = False
     request_id: RequestId = None
-    extra: Extra = Field(default_factory=dict, description="More keyword arguments for the pipeline call.")
+    extra: Extra = Field(default_factory=dict)
     lora: LoraRef | None = None
 
 
@@ -194,6 +179,65 @@ class BatchGenerationRequest(GenerationParams):
     prompts: Prompts
 
 
+class PreparedRequest(_Wire):
+    """What the ingress hands a replica: one request with every default filled in, once.
+
+    The ingress fixes the id and the seed (so that a retried request makes the same image),
+    the model's defaults and the adapter's registered scale and file; the replica uses the
+    fields as they are.
+    """
+
+    request_id: str
+    prompts: list[str]
+    negative_prompt: str | None
+    height: int
+    width: int
+    num_inference_steps: int
+    guidance_scale: float
+    seed: int
+    num_images: int
+    output_format: OutputFormat
+    return_latents: bool = False
+    return_trajectory: bool = False
+    extra: dict[str, Any] = Field(default_factory=dict)
+    lora: LoraRef | None = None  # with its scale and path resolved
+    prompt_embeds: TensorPayload | None = None
+    negative_prompt_embeds: TensorPayload | None = None
+
+    @classmethod
+    def from_request(
+        cls,
+        request: GenerationRequest | BatchGenerationRequest,
+        *,
+        request_id: str,
+        seed: int,
+        height: int,
+        width: int,
+        steps: int,
+        guidance_scale: float,
+        lora: LoraRef | None = None,
+    ) -> PreparedRequest:
+        """`request` with the given values wherever it left a field to the server."""
+        return cls(
+            request_id=request.request_id or request_id,
+            prompts=request.prompts,
+            negative_prompt=request.negative_prompt,
+            height=request.height or height,
+            width=request.width or width,
+            num_inference_steps=request.num_inference_steps or steps,
+            guidance_scale=request.guidance_scale if request.guidance_scale is not None else guidance_scale,
+            seed=request.seed if request.seed is not None else seed,
+            num_images=request.num_images,
+            output_format=request.output_format,
+            return_latents=request.return_latents,
+            return_trajectory=request.return_trajectory,
+            extra=request.extra,
+            lora=lora,
+            prompt_embeds=getattr(request, "prompt_embeds", None),
+            negative_prompt_embeds=getattr(request, "negative_prompt_embeds", None),
+        )
+
+
 class StageMetrics(_Wire):
     """Where the time of one request went, in milliseconds."""
 
@@ -210,6 +254,17 @@ class StageMetrics(_Wire):
     )
     steps: int = 0
 
+    def stage_ms(self) -> dict[str, float]:
+        """Milliseconds by stage, as the latency metrics name them."""
+        return {
+            "queue": self.queue_ms,
+            "text_encode": self.text_encode_ms,
+            "denoise": self.denoise_ms,
+            "vae_decode": self.vae_decode_ms,
+            "image_encode": self.image_encode_ms,
+            "total": self.total_ms,
+        }
+
 
 class GenerationResult(_Wire):
     """The seed's OmniRequestOutput: images of every prompt of the request, in prompt order."""
@@ -223,7 +278,7 @@ class GenerationResult(_Wire):
     prompt_index: list[int] = Field(description="Which prompt of the request each image belongs to.")
     metrics: StageMetrics
     peak_memory_mb: float = Field(description="Peak device memory (CUDA) or peak RSS growth (CPU).")
-    peak_memory_kind: Literal["cuda", "cpu_rss"] = "cpu_rss"
+    peak_memory_kind: MemoryKind = "cpu_rss"
     latents: TensorPayload | None = None
     trajectory: Trajectory | None = None
     final_output_type: str = "image"
@@ -271,10 +326,12 @@ def parse_size(size: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-class _ImagesCommon(_Wire):
+class _ImagesCommon(GenerationParams):
+    """The OpenAI Images fields, plus this server's sampling parameters (`GenerationParams`)."""
+
     # OpenAI fields
     model: str | None = None
-    n: int = Field(1, ge=1, description="Images per prompt.")
+    num_images: int = Field(1, ge=1, alias="n", description="Images per prompt (OpenAI `n`).")
     size: str | None = Field(None, description="'WIDTHxHEIGHT' or 'auto'.")
     response_format: Literal["b64_json", "url"] = Field(
         "b64_json", description="'url' answers with a data: URL, since nothing is stored server-side."
@@ -286,20 +343,7 @@ class _ImagesCommon(_Wire):
     background: str | None = None
     moderation: str | None = None
     output_compression: int | None = Field(None, ge=0, le=100)
-
-    # Extensions (this server's sampling parameters)
-    negative_prompt: str | None = None
-    height: int | None = Field(None, ge=8, multiple_of=8)
-    width: int | None = Field(None, ge=8, multiple_of=8)
-    num_inference_steps: int | None = Field(None, ge=1)
-    guidance_scale: float | None = Field(None, ge=0)
-    seed: int | None = Field(None, ge=0, le=MAX_SEED)
-    output_format: OutputFormat = "png"
-    return_latents: bool = False
-    return_trajectory: bool = False
-    request_id: RequestId = None
-    extra: Extra = Field(default_factory=dict)
-    lora: LoraRef | None = None
+    # Extensions: streaming
     stream: bool = Field(
         False, description="Answer with Server-Sent Events: a step event per step, then the result."
     )
@@ -313,29 +357,16 @@ class _ImagesCommon(_Wire):
         return v
 
     def _params(self) -> dict[str, Any]:
-        width, height = self.width, self.height
+        """The `GenerationParams` of this body, `size` folded into width and height."""
+        params = {name: getattr(self, name) for name in GenerationParams.model_fields}
         if self.size and self.size != "auto":
             w, h = parse_size(self.size)
-            if (width is not None and width != w) or (height is not None and height != h):
+            if (self.width is not None and self.width != w) or (self.height is not None and self.height != h):
                 raise InvalidRequest(
                     f"size: {self.size} disagrees with width/height; give one or the other", param="size"
                 )
-            width, height = w, h
-        return dict(
-            negative_prompt=self.negative_prompt,
-            height=height,
-            width=width,
-            num_inference_steps=self.num_inference_steps,
-            guidance_scale=self.guidance_scale,
-            seed=self.seed,
-            num_images=self.n,
-            output_format=self.output_format,
-            return_latents=self.return_latents,
-            return_trajectory=self.return_trajectory,
-            request_id=self.request_id,
-            extra=self.extra,
-            lora=self.lora,
-        )
+            params.update(width=w, height=h)
+        return params
 
 
 class ImagesGenerationRequest(_ImagesCommon):
@@ -375,7 +406,7 @@ class ImagesResponse(BaseModel):
     output_format: OutputFormat
     metrics: StageMetrics
     peak_memory_mb: float
-    peak_memory_kind: str
+    peak_memory_kind: MemoryKind
     latents: TensorPayload | None = None
     trajectory: Trajectory | None = None
     attempts: int = 1
@@ -422,6 +453,39 @@ class RpcCall(_Wire):
     args: list[Any] = Field(default_factory=list)
     kwargs: dict[str, Any] = Field(default_factory=dict)
     timeout: float | None = Field(None, gt=0)
+
+
+class Outcome(BaseModel):
+    """One replica's answer to a call made on every replica (profiling, RPC)."""
+
+    replica_id: str
+    ok: bool
+    result: Any = None
+    error: str | None = None
+
+
+class ReplicaStats(BaseModel):
+    """What one replica reports of itself in `GET /v1/status`."""
+
+    replica_id: str
+    node_id: str | None = None
+    queued_requests: int
+    queued_images: int
+    running_requests: int
+    running_images: int
+    healthy: bool
+    health_problem: str | None = None
+    rss_mb: float
+    batching: dict[str, Any]
+    loras_loaded: list[str]
+    engine_failures_in_a_row: int
+    counts: dict[str, int]
+
+
+class StatusResponse(BaseModel):
+    model: str
+    replicas: list[ReplicaStats]
+    queue_length: int
 
 
 class AbortResponse(BaseModel):

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+import time
 
 import torch
 
-from serve_app.engine import exported
+from serve_app.engine import exported, rpc_methods
 
 OOM_MARKER = "[[inject-oom]]"
 FAIL_MARKER = "[[inject-failure]]"
@@ -70,3 +71,73 @@ def fault_token_path(token: str) -> str:
     if not re.fullmatch(r"[A-Za-z0-9-]{1,64}", token):
         raise ValueError("token: 1-64 letters, digits or '-'")
     return os.path.join(tempfile.gettempdir(), f"diffusion-serve-fault-{token}")
+
+
+class FakeEngine:
+    """An engine without a model, for fast tests of everything around it (the scheduler,
+    abort, health, batching): every image is a flat colour drawn from its row's seed, every
+    step takes `step_s`, and faults come on demand. The real-engine tests prove the rest.
+
+        DiffusionReplica(model_cfg, engine_factory=lambda cfg: FakeEngine(cfg, step_s=0.01))
+    """
+
+    def __init__(self, cfg, step_s: float = 0.005):
+        self.cfg = cfg
+        self.step_s = step_s
+        self.model_name = cfg.served_name
+        self.default_height = cfg.default_height or 16
+        self.default_width = cfg.default_width or 16
+        self.calls: list[int] = []  # rows of every pipeline call, in order
+        self.broken = False  # every call and the self-test fail
+        self.fail_next = 0  # the next n calls fail
+        self.fatal_next = False  # the next call fails as a poisoned device does
+        self.loras: set[str] = set()
+
+    def describe(self) -> dict:
+        return {"model": self.model_name, "source": self.cfg.source, "pipeline": "FakePipeline",
+                "default_height": self.default_height, "default_width": self.default_width,
+                "default_steps": self.cfg.default_steps, "rpc_methods": rpc_methods(self)}  # fmt: skip
+
+    def check_extra(self, extra: dict) -> dict:
+        if "bogus" in extra:
+            raise ValueError("extra: FakePipeline takes no argument 'bogus'")
+        return dict(extra)
+
+    def check_embeds(self, embeds) -> None:
+        pass
+
+    def load_lora(self, name: str, path: str) -> None:
+        self.loras.add(name)
+
+    def unload_lora(self, name: str) -> None:
+        self.loras.discard(name)
+
+    def self_test(self) -> None:
+        if self.broken:
+            raise RuntimeError("injected broken engine")
+
+    def run(self, rows, params, step_hook=None):
+        from PIL import Image
+
+        from serve_app.engine import EngineOutput
+
+        self.calls.append(len(rows))
+        if self.fatal_next:
+            self.fatal_next = False
+            raise RuntimeError(FATAL_ERROR)
+        if self.broken or self.fail_next:
+            self.fail_next = max(0, self.fail_next - 1)
+            raise RuntimeError("injected engine failure")
+        latents = torch.zeros(len(rows), 4, max(1, params.height // 8), max(1, params.width // 8))
+        for i in range(params.steps):
+            time.sleep(self.step_s)
+            if step_hook is not None and step_hook(i, params.steps, latents):
+                return EngineOutput(images=[], timings_ms=_FAKE_TIMINGS, peak_memory_mb=0.0,
+                                    memory_kind="cpu_rss", steps_run=i + 1, interrupted=True)  # fmt: skip
+        colour = lambda seed: (seed % 251, seed * 7 % 253, seed * 13 % 255)  # noqa: E731
+        images = [Image.new("RGB", (params.width, params.height), colour(r.seed)) for r in rows]
+        return EngineOutput(images=images, timings_ms=_FAKE_TIMINGS, peak_memory_mb=0.0,
+                            memory_kind="cpu_rss", steps_run=params.steps)  # fmt: skip
+
+
+_FAKE_TIMINGS = {"text_encode_ms": 0.0, "denoise_ms": 0.0, "vae_decode_ms": 0.0, "pipeline_ms": 0.0}

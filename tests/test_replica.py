@@ -1,7 +1,9 @@
-"""The replica's scheduler driven directly (real engine, real pipeline, no Serve around it).
+"""The replica driven directly, no Serve around it: Serve only calls these coroutines, and
+driving them in one event loop makes the batching order deterministic, which HTTP timing cannot.
 
-Serve only calls these coroutines; driving them in one event loop makes the batching order
-deterministic, which HTTP timing cannot.
+Tests of the queue, batching, abort and health run on `FakeEngine` (flat images, a fixed time
+per step, faults on demand), in milliseconds; the tests that compare images run the real tiny
+pipeline, the proof that the real thing batches without changing an image.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import pytest
 
 from serve_app.errors import Aborted
 from serve_app.replica import DiffusionReplica
-from serve_app.schemas import BatchGenerationRequest, GenerationRequest
+from serve_app.schemas import BatchGenerationRequest, GenerationRequest, PreparedRequest
+from serve_app.testing import FakeEngine
 
 # One event loop for the module, as in a Serve replica: the engine loop task lives on it.
 _LOOP = asyncio.new_event_loop()
@@ -31,13 +34,39 @@ def replica():
         {"max_batch_images": 8, "batch_wait_ms": 0},
     )  # fmt: skip
     yield r
-    if r._loop_task is not None:  # stop the engine loop, as Serve does when the replica goes
+    stop(r)
+
+
+def stop(r: DiffusionReplica) -> None:
+    """Stop the engine loop, as Serve does when the replica goes."""
+    if r._loop_task is not None:
         r._loop_task.cancel()
         run(asyncio.gather(r._loop_task, return_exceptions=True))
 
 
-def req(prompt: str, rid: str, **kw) -> GenerationRequest:
-    return GenerationRequest(prompt=prompt, request_id=rid, seed=kw.pop("seed", 1), **kw)
+FAKE_MODEL = {"source": "builtin:tiny-sd", "default_height": 32, "default_width": 32, "default_steps": 3}
+
+
+@pytest.fixture(scope="module")
+def fake():
+    """A replica around `FakeEngine`: 20 ms per step, so a call of 3 steps takes 60 ms."""
+    r = DiffusionReplica(
+        FAKE_MODEL, {"max_batch_images": 8, "batch_wait_ms": 0}, {"max_consecutive_failures": 3},
+        engine_factory=lambda cfg: FakeEngine(cfg, step_s=0.02),
+    )  # fmt: skip
+    yield r
+    stop(r)
+
+
+def prepare(request: GenerationRequest | BatchGenerationRequest) -> PreparedRequest:
+    """What the ingress would send for `request`: defaults of the 32x32, 3-step test model."""
+    return PreparedRequest.from_request(
+        request, request_id="unnamed", seed=1, height=32, width=32, steps=3, guidance_scale=7.5
+    )
+
+
+def req(prompt: str, rid: str, **kw) -> PreparedRequest:
+    return prepare(GenerationRequest(prompt=prompt, request_id=rid, seed=kw.pop("seed", 1), **kw))
 
 
 @contextlib.contextmanager
@@ -90,14 +119,14 @@ def test_compatible_requests_share_a_call_and_keep_their_images(replica):
     assert _maxdiff(b.images[1], b2.images[0]) <= 1
 
 
-def test_batch_size_limit_and_oldest_first(replica):
-    with batching(replica, max_batch_images=3):
+def test_batch_size_limit_and_oldest_first(fake):
+    with batching(fake, max_batch_images=3):
 
         async def go():
-            blocker = asyncio.ensure_future(replica.generate(req("block", "blk2", width=64, height=64)))
+            blocker = asyncio.ensure_future(fake.generate(req("block", "blk2", width=64, height=64)))
             await asyncio.sleep(0.05)
             jobs = [
-                asyncio.ensure_future(replica.generate(req(f"p{i}", f"q{i}", num_images=2))) for i in range(3)
+                asyncio.ensure_future(fake.generate(req(f"p{i}", f"q{i}", num_images=2))) for i in range(3)
             ]
             return await asyncio.gather(blocker, *jobs)
 
@@ -106,19 +135,19 @@ def test_batch_size_limit_and_oldest_first(replica):
         assert rs[0].metrics.queue_ms < rs[1].metrics.queue_ms < rs[2].metrics.queue_ms
 
 
-def test_idle_device_waits_for_a_burst_but_not_past_its_gap(replica):
+def test_idle_device_waits_for_a_burst_but_not_past_its_gap(fake):
     # Gaps of 100 ms < batch_gap_ms: the three trickling requests share a call, which starts one
     # gap after the last of them (well before the 600 ms window). A lone request waits one gap.
-    with batching(replica, batch_wait_ms=600, batch_gap_ms=200):
+    with batching(fake, batch_wait_ms=600, batch_gap_ms=200):
 
         async def go():
             jobs = []
             for i in range(3):
-                jobs.append(asyncio.ensure_future(replica.generate(req(f"t{i}", f"gap{i}"))))
+                jobs.append(asyncio.ensure_future(fake.generate(req(f"t{i}", f"gap{i}"))))
                 await asyncio.sleep(0.1)
             burst = await asyncio.gather(*jobs)
             await asyncio.sleep(0.7)  # past the window: not a caller of that call coming back
-            lone = await replica.generate(req("alone", "gap-lone"))
+            lone = await fake.generate(req("alone", "gap-lone"))
             return burst, lone
 
         burst, lone = run(go())
@@ -129,16 +158,16 @@ def test_idle_device_waits_for_a_burst_but_not_past_its_gap(replica):
         assert 190 <= lone.metrics.queue_ms < 450, lone.metrics.queue_ms
 
 
-def test_callers_coming_back_refill_their_call_past_the_gap(replica):
+def test_callers_coming_back_refill_their_call_past_the_gap(fake):
     # Closed-loop callers: three answered together come back 150 ms apart, more than the gap.
     # They share one call again instead of the first leaving alone one gap after it arrived.
-    with batching(replica, batch_wait_ms=600, batch_gap_ms=100):
+    with batching(fake, batch_wait_ms=600, batch_gap_ms=100):
 
         async def go():
-            first = await asyncio.gather(*(replica.generate(req(f"c{i}", f"back{i}")) for i in range(3)))
+            first = await asyncio.gather(*(fake.generate(req(f"c{i}", f"back{i}")) for i in range(3)))
             jobs = []
             for i in range(3):
-                jobs.append(asyncio.ensure_future(replica.generate(req(f"c{i}", f"back{i}-again"))))
+                jobs.append(asyncio.ensure_future(fake.generate(req(f"c{i}", f"back{i}-again"))))
                 await asyncio.sleep(0.15)
             return first, await asyncio.gather(*jobs)
 
@@ -149,26 +178,26 @@ def test_callers_coming_back_refill_their_call_past_the_gap(replica):
         assert 250 <= again[0].metrics.queue_ms < 580, again[0].metrics.queue_ms
 
 
-def test_requests_queued_behind_a_call_wait_for_its_callers_to_come_back(replica):
+def test_requests_queued_behind_a_call_wait_for_its_callers_to_come_back(fake):
     # Two requests run; two more queue behind them. When the call ends, the queued pair waits
     # for the first pair's callers to come back (150 ms apart, past the gap), and the four
     # share one call: a wave split in two halves joins up again instead of alternating.
     big = {"width": 64, "height": 64, "num_inference_steps": 8}
-    with batching(replica, batch_wait_ms=600, batch_gap_ms=100):
+    with batching(fake, batch_wait_ms=600, batch_gap_ms=100):
 
         async def go():
             first = [
-                asyncio.ensure_future(replica.generate(req(f"a{i}", f"join-a{i}", **big))) for i in range(2)
+                asyncio.ensure_future(fake.generate(req(f"a{i}", f"join-a{i}", **big))) for i in range(2)
             ]
-            await reaches(replica, "join-a0", "running")
+            await reaches(fake, "join-a0", "running")
             queued = [
-                asyncio.ensure_future(replica.generate(req(f"q{i}", f"join-q{i}", **big))) for i in range(2)
+                asyncio.ensure_future(fake.generate(req(f"q{i}", f"join-q{i}", **big))) for i in range(2)
             ]
-            await reaches(replica, "join-q1", "queued")
+            await reaches(fake, "join-q1", "queued")
             ran = await asyncio.gather(*first)
             back = []
             for i in range(2):
-                back.append(asyncio.ensure_future(replica.generate(req(f"a{i}", f"join-a{i}-again", **big))))
+                back.append(asyncio.ensure_future(fake.generate(req(f"a{i}", f"join-a{i}-again", **big))))
                 await asyncio.sleep(0.15)
             return ran, await asyncio.gather(*queued, *back)
 
@@ -177,30 +206,30 @@ def test_requests_queued_behind_a_call_wait_for_its_callers_to_come_back(replica
         assert [r.metrics.batch_requests for r in rest] == [4, 4, 4, 4]
 
 
-def test_reconfigure_turns_batching_off_without_a_restart(replica):
-    with batching(replica, max_batch_images=1):
+def test_reconfigure_turns_batching_off_without_a_restart(fake):
+    with batching(fake, max_batch_images=1):
 
         async def go():
-            blocker = asyncio.ensure_future(replica.generate(req("block", "blk3", width=64, height=64)))
+            blocker = asyncio.ensure_future(fake.generate(req("block", "blk3", width=64, height=64)))
             await asyncio.sleep(0.05)
-            return await asyncio.gather(blocker, *(replica.generate(req(f"p{i}", f"r{i}")) for i in range(3)))
+            return await asyncio.gather(blocker, *(fake.generate(req(f"p{i}", f"r{i}")) for i in range(3)))
 
         _, *rs = run(go())
         assert all(r.metrics.batch_requests == 1 for r in rs)
-        assert replica.stats()["batching"]["max_batch_images"] == 1
+        assert fake.stats().batching["max_batch_images"] == 1
 
 
-def test_request_aborted_while_queued_never_joins_a_batch(replica):
+def test_request_aborted_while_queued_never_joins_a_batch(fake):
     async def go():
         blocker = asyncio.ensure_future(
-            replica.generate(req("block", "blk4", width=64, height=64, num_inference_steps=6))
+            fake.generate(req("block", "blk4", width=64, height=64, num_inference_steps=6))
         )
         await asyncio.sleep(0.05)
-        a = asyncio.ensure_future(replica.generate(req("a", "ab-a")))
-        b = asyncio.ensure_future(replica.generate(req("b", "ab-b")))
+        a = asyncio.ensure_future(fake.generate(req("a", "ab-a")))
+        b = asyncio.ensure_future(fake.generate(req("b", "ab-b")))
         await asyncio.sleep(0)
-        assert replica.request_status("ab-a").state == "queued"
-        assert replica.abort(["ab-a", "nope"]) == {"ab-a": "aborted", "nope": "unknown"}
+        assert fake.request_status("ab-a").state == "queued"
+        assert fake.abort(["ab-a", "nope"]) == {"ab-a": "aborted", "nope": "unknown"}
         with pytest.raises(Aborted):
             await a
         rb = await b
@@ -209,28 +238,28 @@ def test_request_aborted_while_queued_never_joins_a_batch(replica):
 
     rb = run(go())
     assert rb.metrics.batch_requests == 1
-    st = replica.request_status("ab-a")
+    st = fake.request_status("ab-a")
     assert st.state == "aborted" and st.step == 0
-    assert replica.abort(["ab-b"]) == {"ab-b": "finished"}
+    assert fake.abort(["ab-b"]) == {"ab-b": "finished"}
 
 
-def test_duplicate_live_request_id_is_refused(replica):
+def test_duplicate_live_request_id_is_refused(fake):
     from serve_app.errors import InvalidRequest
 
     async def go():
-        first = asyncio.ensure_future(replica.generate(req("a", "dup", width=64, height=64)))
+        first = asyncio.ensure_future(fake.generate(req("a", "dup", width=64, height=64)))
         await asyncio.sleep(0.01)
         with pytest.raises(InvalidRequest, match="already queued or running"):
-            await replica.generate(req("a", "dup"))
+            await fake.generate(req("a", "dup"))
         return await first
 
     assert run(go()).images
 
 
-def test_batch_request_rows_stay_together(replica):
+def test_batch_request_rows_stay_together(fake):
     async def go():
-        return await replica.generate(
-            BatchGenerationRequest(prompts=["x", "y", "z"], request_id="bt", seed=2)
+        return await fake.generate(
+            prepare(BatchGenerationRequest(prompts=["x", "y", "z"], request_id="bt", seed=2))
         )
 
     r = run(go())
@@ -252,7 +281,9 @@ def test_a_request_larger_than_one_call_runs_in_calls_of_max_batch_images(replic
     # 3 prompts x 3 images = 9 rows with max_batch_images 4: calls of 4, 4 and 1, merged in order,
     # each image the same as when it runs alone.
     with batching(replica, max_batch_images=4):
-        big = BatchGenerationRequest(prompts=["x", "y", "z"], num_images=3, request_id="split", seed=7)
+        big = prepare(
+            BatchGenerationRequest(prompts=["x", "y", "z"], num_images=3, request_id="split", seed=7)
+        )
         r = run(replica.generate(big))
         alone = run(replica.generate(req("z", "split-alone", seed=9)))
     assert len(r.images) == 9 and r.prompt_index == [0, 0, 0, 1, 1, 1, 2, 2, 2]
@@ -268,37 +299,30 @@ def test_a_request_larger_than_one_call_runs_in_calls_of_max_batch_images(replic
 
 @pytest.fixture(scope="module")
 def faulty():
-    """A replica whose engine can be broken on purpose (serve_app.testing.FaultInjection)."""
+    """A replica whose `FakeEngine` is broken on purpose by the tests below."""
     r = DiffusionReplica(
-        {"source": "builtin:tiny-sd", "device": "cpu", "default_height": 32, "default_width": 32,
-         "default_steps": 2, "warmup": False, "warmup_steps": 1,
-         "engine_extension": "serve_app.testing:FaultInjection"},
-        {"max_batch_images": 8, "batch_wait_ms": 0},
-        {"max_consecutive_failures": 3},
+        FAKE_MODEL, {"max_batch_images": 8, "batch_wait_ms": 0}, {"max_consecutive_failures": 3},
+        engine_factory=lambda cfg: FakeEngine(cfg, step_s=0.02),
     )  # fmt: skip
     yield r
-    if r._loop_task is not None:
-        r._loop_task.cancel()
-        run(asyncio.gather(r._loop_task, return_exceptions=True))
+    stop(r)
 
 
-def _fail(replica, rid: str, prompt: str = "x", **kw):
+def _fail(replica, rid: str, **kw):
     from serve_app.errors import ServingError
 
     with pytest.raises(ServingError) as e:
-        run(replica.generate(req(prompt, rid, **kw)))
+        run(replica.generate(req("x", rid, **kw)))
     return e.value
 
 
 def test_failing_requests_alone_never_make_a_replica_unhealthy(faulty):
-    from serve_app.testing import FAIL_MARKER
-
-    for i in range(10):  # more than max_consecutive_failures, three times over
-        err = _fail(faulty, f"hostile-{i}", prompt=f"bad {FAIL_MARKER}")
-        assert "injected engine failure" in err.message
+    faulty.engine.fail_next = 10  # more than max_consecutive_failures, three times over
+    for i in range(10):
+        assert "injected engine failure" in _fail(faulty, f"hostile-{i}").message
     stats = faulty.stats()
-    assert stats["healthy"], stats["health_problem"]
-    assert stats["counts"]["self_tests_passed"] == 3  # after failures 3, 6 and 9: the engine works
+    assert stats.healthy, stats.health_problem
+    assert stats.counts["self_tests_passed"] == 3  # after failures 3, 6 and 9: the engine works
     run(faulty.check_health())
     assert run(faulty.generate(req("fine", "after-hostile"))).images
 
@@ -306,17 +330,17 @@ def test_failing_requests_alone_never_make_a_replica_unhealthy(faulty):
 def test_a_broken_engine_fails_its_self_test_and_reports_unhealthy(faulty):
     from serve_app.errors import Unavailable
 
-    faulty.engine.set_broken(True)
+    faulty.engine.broken = True
     try:
         for i in range(3):
-            assert "injected broken engine" in _fail(faulty, f"broken-{i}").message
-        problem = faulty.stats()["health_problem"]
+            assert "injected engine failure" in _fail(faulty, f"broken-{i}").message
+        problem = faulty.stats().health_problem
         assert "3 engine failures in a row, then the self-test failed" in problem, problem
         assert not faulty.ready()
         with pytest.raises(Unavailable, match="self-test failed"):
             run(faulty.check_health())
     finally:
-        faulty.engine.set_broken(False)
+        faulty.engine.broken = False
         faulty._broken = None  # Serve would replace the replica; the fixture lives on
         faulty._consecutive_failures = 0
 
@@ -324,14 +348,14 @@ def test_a_broken_engine_fails_its_self_test_and_reports_unhealthy(faulty):
 def test_a_call_running_past_its_limit_reports_unhealthy(faulty):
     from serve_app.errors import Unavailable
 
-    faulty._call_timeout_s = 0.3
+    before = faulty.replica_cfg
+    faulty.replica_cfg = before.model_copy(update={"engine_call_timeout_s": 0.3})
     try:
 
         async def go():
-            long = asyncio.ensure_future(faulty.generate(req("slow", "hung", width=128, height=128,
-                                                             num_inference_steps=12)))  # fmt: skip
+            long = asyncio.ensure_future(faulty.generate(req("slow", "hung", num_inference_steps=40)))
             await reaches(faulty, "hung", "running")
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.45)
             with pytest.raises(Unavailable, match=r"a pipeline call has run for \d+s \(limit 0.3s\)"):
                 await faulty.check_health()
             await long
@@ -339,7 +363,7 @@ def test_a_call_running_past_its_limit_reports_unhealthy(faulty):
 
         run(go())
     finally:
-        faulty._call_timeout_s = 900
+        faulty.replica_cfg = before
 
 
 def test_a_dead_engine_loop_reports_unhealthy(faulty):
@@ -355,22 +379,19 @@ def test_a_dead_engine_loop_reports_unhealthy(faulty):
 
 def test_a_fatal_device_error_hands_every_request_back(faulty):
     from serve_app.errors import ReplicaLost
-    from serve_app.testing import fault_token_path
 
-    token = fault_token_path("replica-test")
-    open(token, "w").close()
-    faulty.engine.arm_fatal_once("replica-test")
+    faulty.engine.fatal_next = True
 
     async def go():
         running = asyncio.ensure_future(faulty.generate(req("a", "fatal-running")))
         await asyncio.sleep(0)
-        queued = asyncio.ensure_future(faulty.generate(req("b", "fatal-queued", num_inference_steps=3)))
+        queued = asyncio.ensure_future(faulty.generate(req("b", "fatal-queued", num_inference_steps=4)))
         return await asyncio.gather(running, queued, return_exceptions=True)
 
     try:
         outcomes = run(go())
         assert all(isinstance(o, ReplicaLost) for o in outcomes), outcomes
-        assert not faulty.ready() and "fatal device error" in faulty.stats()["health_problem"]
+        assert not faulty.ready() and "fatal device error" in faulty.stats().health_problem
         with pytest.raises(ReplicaLost):  # and it takes nothing new
             run(faulty.generate(req("c", "fatal-after")))
     finally:

@@ -10,12 +10,15 @@ from serve_app.engine.engine import (
     Row,
     encode_image,
     exported,
+    is_fatal_device_error,
     rpc_methods,
 )
+from serve_app.engine.protocol import Engine
 
 __all__ = [
     "CallParams",
     "DiffusionEngine",
+    "Engine",
     "EngineOutput",
     "InvalidArguments",
     "LoraError",
@@ -23,5 +26,6 @@ __all__ = [
     "Row",
     "encode_image",
     "exported",
+    "is_fatal_device_error",
     "rpc_methods",
 ]

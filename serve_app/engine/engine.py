@@ -26,11 +26,29 @@ import numpy as np
 import torch
 
 from serve_app.config import BUILTIN_PREFIX, ModelConfig
-from serve_app.schemas import RESERVED_EXTRA_KEYS
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+# Pipeline call arguments the engine sets itself; a request's `extra` may not override them.
+RESERVED_EXTRA_KEYS = frozenset(
+    {
+        "prompt", "prompt_2", "prompt_3", "negative_prompt", "negative_prompt_2", "negative_prompt_3",
+        "height", "width", "num_inference_steps", "guidance_scale", "generator", "num_images_per_prompt",
+        "output_type", "return_dict", "callback_on_step_end", "callback_on_step_end_tensor_inputs",
+        "callback", "callback_steps", "latents", "prompt_embeds", "negative_prompt_embeds",
+        "pooled_prompt_embeds", "negative_pooled_prompt_embeds",
+    }
+)  # fmt: skip
+
+_FATAL_MARKERS = ("CUDA error", "illegal memory access", "device-side assert", "CUBLAS_STATUS", "NCCL error")
+
+
+def is_fatal_device_error(e: Exception) -> bool:
+    """An error after which no call on this device can succeed (a poisoned CUDA context)."""
+    accel = getattr(torch, "AcceleratorError", None)
+    return (accel is not None and isinstance(e, accel)) or any(m in str(e) for m in _FATAL_MARKERS)
 
 
 class _StopCall(Exception):
@@ -111,6 +129,11 @@ class EngineOutput:
     trajectory_timesteps: list[float] | None = None
     steps_run: int = 0
     interrupted: bool = False
+    # How the rows ran, filled in by the replica: the largest call, the requests that shared it,
+    # and the calls a request larger than one call took.
+    batch_images: int = 0
+    batch_requests: int = 1
+    pipeline_calls: int = 1
 
     @classmethod
     def concat(cls, parts: Sequence[EngineOutput]) -> EngineOutput:
@@ -155,6 +178,9 @@ class EngineOutput:
             trajectory_timesteps=self.trajectory_timesteps,
             steps_run=self.steps_run,
             interrupted=self.interrupted,
+            batch_images=self.batch_images,
+            batch_requests=self.batch_requests,
+            pipeline_calls=self.pipeline_calls,
         )
 
 
@@ -501,6 +527,9 @@ class DiffusionEngine:
         """`extra` checked against the pipeline call's signature: names it does not take are
         refused (diffusers would drop them silently), and each value must fit the argument's
         annotated type. Returns the values as the pipeline will get them ("0.3" -> 0.3)."""
+        reserved = sorted(RESERVED_EXTRA_KEYS.intersection(extra))
+        if reserved:
+            raise ValueError(f"extra: may not set {', '.join(reserved)}: use the request's own fields")
         unknown = sorted(set(extra) - set(self._call_args))
         if unknown:
             raise ValueError(

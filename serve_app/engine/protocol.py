@@ -1,0 +1,35 @@
+"""What the replica needs of an engine. `DiffusionEngine` is the real one (diffusers);
+`serve_app.testing.FakeEngine` stands in for it where a test is about the replica, not the model."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from serve_app.engine.engine import CallParams, EngineOutput, Row, StepHook
+
+
+class Engine(Protocol):
+    model_name: str
+    default_height: int
+    default_width: int
+
+    def run(self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None = None) -> EngineOutput:
+        """One pipeline call over `rows` that share `params`; raises what the pipeline raises."""
+
+    def check_extra(self, extra: dict[str, Any]) -> dict[str, Any]:
+        """`extra` as the pipeline will take it, or ValueError naming the argument."""
+
+    def check_embeds(self, embeds: Any) -> None:
+        """ValueError unless the pipeline takes prompt embeddings of this shape."""
+
+    def load_lora(self, name: str, path: str) -> None:
+        """Load an adapter file under `name`, or raise LoraError saying why not."""
+
+    def unload_lora(self, name: str) -> None: ...
+
+    def self_test(self) -> None:
+        """A short known-good call; raises if the engine cannot run even that."""
+
+    def describe(self) -> dict[str, Any]:
+        """Model, source, pipeline, default size and steps, and `rpc_methods`."""

@@ -1,0 +1,12 @@
+"""The diffusion replica (one Ray actor, one GPU), by role:
+
+* `deployment.py`: the Serve deployment; wires the parts below and runs the request path.
+* `scheduler.py`: the queue: which requests share a pipeline call and when (no Ray, no torch).
+* `adapters.py`: which LoRA adapters this replica holds (load, LRU eviction, pins).
+* `control.py`: profiling and collective RPC, answered per replica.
+* `routing.py`: tells Serve's router which adapters this replica holds.
+"""
+
+from serve_app.replica.deployment import DiffusionReplica, DiffusionReplicaDeployment
+
+__all__ = ["DiffusionReplica", "DiffusionReplicaDeployment"]

@@ -1,0 +1,600 @@
+"""The diffusion replica: a Serve deployment (one Ray actor, one GPU) that owns one engine.
+
+It wires parts with one job each: the `Scheduler` decides which queued requests share a
+pipeline call and when; the engine thread runs the call (the only thread that runs torch);
+`AdapterResidency` keeps the LoRA adapters this replica holds; the control plane
+(`control.py`) answers profiling and RPC. What is left here is the request path (submit, run,
+answer), health, and the Serve entry points.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import logging
+import os
+import re
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+from ray import serve
+
+from serve_app import metrics
+from serve_app.autoscaling import QUEUE_LENGTH_METRIC
+from serve_app.config import BatchingConfig, LoraConfig, ModelConfig, ProfilingConfig, ReplicaConfig
+from serve_app.engine import (
+    CallParams,
+    Engine,
+    EngineOutput,
+    InvalidArguments,
+    LoraError,
+    ModelLoadError,
+    Row,
+    encode_image,
+)
+from serve_app.engine.engine import engine_class, is_fatal_device_error, latents_preview
+from serve_app.errors import (
+    EngineFailure,
+    InvalidRequest,
+    OutOfMemory,
+    ReplicaLost,
+    ServingError,
+    Unavailable,
+)
+from serve_app.lora import Registry
+from serve_app.replica.adapters import AdapterResidency
+from serve_app.replica.control import Profiler, call_exported, outcome
+from serve_app.replica.routing import report_adapters
+from serve_app.replica.scheduler import Job, Scheduler
+from serve_app.schemas import (
+    GenerationResult,
+    Outcome,
+    PreparedRequest,
+    ReplicaStats,
+    RequestState,
+    StageMetrics,
+    StepEvent,
+    TensorPayload,
+    Trajectory,
+)
+
+logger = logging.getLogger("ray.serve")
+
+
+class DiffusionReplica:
+    def __init__(
+        self,
+        model: ModelConfig | dict[str, Any],
+        batching: BatchingConfig | dict[str, Any] | None = None,
+        replica: ReplicaConfig | dict[str, Any] | None = None,
+        lora: LoraConfig | dict[str, Any] | None = None,
+        profiling: ProfilingConfig | dict[str, Any] | None = None,
+        engine_factory: Callable[[ModelConfig], Engine] | None = None,
+    ):
+        # Typed settings pass through as they are (validated once, when the app was built).
+        self.cfg = ModelConfig.model_validate(model)
+        self.replica_cfg = ReplicaConfig.model_validate(replica or {})
+        lora_cfg = LoraConfig.model_validate(lora or {})
+        self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
+        # Loading and warm-up happen here: a replica takes traffic only once it can serve it,
+        # and a model that cannot load fails the deployment with the engine's message.
+        # They run on the engine thread, the only thread that ever runs torch: each thread
+        # that enters an OpenMP region gets its own pool of spinning workers, and two pools on
+        # the same cores made the CPU pipeline 1.8x slower (measured: 391 vs 218 ms).
+        factory = engine_factory or engine_class(self.cfg.engine_extension)
+        self.engine: Engine = self._start_engine(factory, self.replica_cfg.init_timeout_s)
+        # Image encoding (zlib and numpy release the GIL) runs beside the engine, one task per
+        # image: a 512x512 PNG costs 5-20 ms of CPU here (engine._png), and 8 of them one after
+        # another would keep the last caller of a batch waiting for the other 7.
+        self._cpu_pool = ThreadPoolExecutor(
+            max_workers=max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="encode"
+        )
+        self.scheduler = Scheduler(BatchingConfig.model_validate(batching or {}), on_retire=self._on_retire)
+        self.adapters = AdapterResidency(self.engine, lora_cfg.max_loaded, on_change=report_adapters)
+        self.profiler = Profiler(ProfilingConfig.model_validate(profiling or {}).trace_dir, self._on_engine)
+        self._loop_task: asyncio.Task | None = None
+        self._counts = collections.Counter()
+        self._consecutive_failures = 0
+        self._call_started: float | None = None
+        self._fatal: str | None = None  # a device error: this replica is leaving
+        self._broken: str | None = None  # failures in a row and a failed self-test
+        # Converge to the registry before taking traffic: a replica that starts late (autoscaling,
+        # a replacement) holds the pinned adapters like the others, without anyone asking.
+        for name, entry in Registry(lora_cfg.registry_path).all().items():
+            if entry.get("pinned"):
+                self._engine_thread.submit(self.adapters.hold, name, entry["path"], True).result()
+
+    def _start_engine(self, factory, timeout_s: float) -> Engine:
+        """Build (load and warm up) the engine on the engine thread, within `timeout_s`."""
+        t = time.monotonic()
+        future = self._engine_thread.submit(factory, self.cfg)
+        try:
+            return future.result(timeout=timeout_s)
+        except concurrent.futures.TimeoutError:
+            future.cancel()
+            raise ModelLoadError(
+                f"model {self.cfg.source!r}: load and warm-up did not finish within "
+                f"replica.init_timeout_s={timeout_s:g}s (gave up after {time.monotonic() - t:.1f}s)"
+            ) from None
+
+    @property
+    def batching(self) -> BatchingConfig:
+        return self.scheduler.batching
+
+    def reconfigure(self, user_config: dict[str, Any]) -> None:
+        """Serve `user_config`: batching settings change at run time, without a restart."""
+        self.scheduler.batching = BatchingConfig.model_validate(
+            {**self.batching.model_dump(), **(user_config or {})}
+        )
+        logger.info("batching settings now %s", self.batching.model_dump())
+
+    # ------------------------------------------------------------------ requests
+
+    async def generate(self, request: PreparedRequest) -> GenerationResult:
+        """Run one request (one or several prompts) and return its merged result."""
+        job = self._submit(request)
+        return await self._finish(job)
+
+    async def generate_stream(self, request: PreparedRequest, preview_every: int = 0) -> AsyncIterator:
+        """Yield a `StepEvent` after every denoising step, then the `GenerationResult`."""
+        job = self._submit(request, preview_every)
+        events: asyncio.Queue = asyncio.Queue()
+        job.listeners.append(events)
+        result_task = asyncio.ensure_future(self._finish(job))
+        try:
+            while True:
+                getter = asyncio.ensure_future(events.get())
+                done, _ = await asyncio.wait({getter, result_task}, return_when=asyncio.FIRST_COMPLETED)
+                if getter in done:
+                    yield getter.result()
+                    continue
+                getter.cancel()
+                while not events.empty():
+                    yield events.get_nowait()
+                yield result_task.result()
+                return
+        finally:
+            if not result_task.done():
+                result_task.cancel()
+
+    def _submit(self, request: PreparedRequest, preview_every: int = 0) -> Job:
+        rid = request.request_id
+        if self._fatal:
+            raise ReplicaLost(f"replica is restarting after a device error: {self._fatal}", request_id=rid)
+        try:
+            extra = self.engine.check_extra(request.extra)
+        except ValueError as e:
+            raise InvalidRequest(str(e), param="extra", request_id=rid) from None
+        embeds = _embeds(request)
+        for t in embeds:
+            if t is not None:
+                try:
+                    self.engine.check_embeds(t)
+                except ValueError as e:
+                    raise InvalidRequest(str(e), param="prompt_embeds", request_id=rid) from None
+        rows = [
+            Row(prompt, request.negative_prompt, request.seed + k, *embeds)
+            for prompt in request.prompts
+            for k in range(request.num_images)
+        ]
+        params = CallParams(
+            height=request.height,
+            width=request.width,
+            steps=request.num_inference_steps,
+            guidance_scale=request.guidance_scale,
+            extra=tuple(sorted(extra.items())),
+            lora=(request.lora.name, request.lora.scale) if request.lora else None,
+            return_latents=request.return_latents,
+            return_trajectory=request.return_trajectory,
+        )
+        # SDXL treats an absent negative prompt differently from an empty one: keep them apart.
+        key = (params, request.negative_prompt is None, embeds[0] is None, embeds[1] is None)
+        job = Job(
+            request_id=rid,
+            rows=rows,
+            key=key,
+            steps=params.steps,
+            future=asyncio.get_running_loop().create_future(),
+            payload=(request, params),
+            preview_every=preview_every,
+        )
+        self.scheduler.submit(job)
+        self._ensure_loop()
+        self._counts["accepted"] += 1
+        metrics.set_queue_length(self.engine.model_name, self.queue_length())
+        return job
+
+    async def _finish(self, job: Job) -> GenerationResult:
+        try:
+            output: EngineOutput = await job.future
+        except asyncio.CancelledError:
+            # The caller went away (HTTP disconnect, DeploymentResponse.cancel()): same as abort.
+            if self.scheduler.abort_job(job, "cancelled by the caller"):
+                self._counts["aborted"] += 1
+            raise
+        loop = asyncio.get_running_loop()
+        t = time.perf_counter()
+        request: PreparedRequest = job.payload[0]
+        images = await asyncio.gather(
+            *(
+                loop.run_in_executor(self._cpu_pool, encode_image, im, request.output_format)
+                for im in output.images
+            )
+        )
+        return self._result(job, output, images, (time.perf_counter() - t) * 1e3)
+
+    def _result(self, job: Job, out: EngineOutput, images: list[bytes], encode_ms: float) -> GenerationResult:
+        request: PreparedRequest = job.payload[0]
+        t = out.timings_ms
+        stage = StageMetrics(
+            queue_ms=(job.started - job.enqueued) * 1e3,
+            text_encode_ms=t["text_encode_ms"],
+            denoise_ms=t["denoise_ms"],
+            vae_decode_ms=t["vae_decode_ms"],
+            image_encode_ms=encode_ms,
+            total_ms=(time.perf_counter() - job.enqueued) * 1e3,
+            batch_images=out.batch_images,
+            batch_requests=out.batch_requests,
+            pipeline_calls=out.pipeline_calls,
+            steps=out.steps_run,
+        )
+        trajectory = None
+        if out.trajectory_latents is not None:
+            trajectory = Trajectory(
+                timesteps=out.trajectory_timesteps,
+                latents=[TensorPayload.from_tensor(x) for x in out.trajectory_latents],
+            )
+        metrics.observe_stages(self.engine.model_name, stage.stage_ms())
+        return GenerationResult(
+            request_id=job.request_id,
+            model=self.engine.model_name,
+            images=images,
+            output_format=request.output_format,
+            seeds=[r.seed for r in job.rows],
+            prompt_index=[i for i in range(len(request.prompts)) for _ in range(request.num_images)],
+            metrics=stage,
+            peak_memory_mb=out.peak_memory_mb,
+            peak_memory_kind=out.memory_kind,
+            latents=TensorPayload.from_tensor(out.latents) if out.latents is not None else None,
+            trajectory=trajectory,
+        )
+
+    # ------------------------------------------------------------------ abort and status
+
+    def abort(self, request_ids: list[str]) -> dict[str, str]:
+        """Abort by id: `aborted`, `finished` (already done, nothing to do) or `unknown`."""
+        return self.scheduler.abort(request_ids)
+
+    def _on_retire(self, job: Job, state: str) -> None:
+        metrics.count_request(self.engine.model_name, state, len(job.rows))
+        self._counts[state] += 1
+
+    def request_status(self, request_id: str) -> RequestState | None:
+        s = self.scheduler
+        job = s.jobs.get(request_id)
+        if job is not None:
+            position = (
+                next((i for i, j in enumerate(s.queue) if j is job), None) if job.state == "queued" else None
+            )
+            return RequestState(
+                request_id=request_id,
+                state=job.state,
+                queue_position=position,
+                step=job.step,
+                total_steps=job.total_steps or job.steps,
+                images=len(job.rows),
+                replica_id=_replica_id(),
+            )
+        done = s.finished.get(request_id)
+        if done is None:
+            return None
+        return RequestState(
+            request_id=request_id,
+            state=done.state,
+            step=done.step,
+            total_steps=done.total_steps,
+            error=done.error,
+            replica_id=_replica_id(),
+        )
+
+    # ------------------------------------------------------------------ the engine loop
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None:
+            self._loop_task = asyncio.get_running_loop().create_task(self._engine_loop())
+
+    async def _engine_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self.scheduler.next_batch()
+            rows = [r for j in batch for r in j.rows]
+            hook = self._step_hook(batch, loop)
+            try:
+                self._call_started = time.monotonic()
+                out = await loop.run_in_executor(self._engine_thread, self._run_call, batch, rows, hook)
+            except Exception as e:  # one call's failure; the loop goes on
+                err = self._classify(e, batch)
+                for job in batch:
+                    if job.state == "running":
+                        self.scheduler.fail(job, err)
+                if self._fatal:
+                    self._leave(loop)
+                elif self._consecutive_failures >= self.replica_cfg.max_consecutive_failures:
+                    await loop.run_in_executor(self._engine_thread, self._self_test)
+            else:
+                self._consecutive_failures = 0
+                self._deliver(batch, out)
+            finally:
+                self._call_started = None
+                self.scheduler.call_ended(batch)
+                metrics.set_queue_length(self.engine.model_name, self.queue_length())
+
+    def _run_call(self, batch: list[Job], rows: list[Row], hook) -> EngineOutput:
+        """On the engine thread: load the call's adapter if this replica lacks it, then run the
+        rows in pipeline calls of at most `max_batch_images` (one call unless one job is larger)."""
+        request, params = batch[0].payload
+        if params.lora is not None:
+            self.adapters.hold(params.lora[0], request.lora.path)
+        size = self.batching.max_batch_images
+        chunks = [rows[k : k + size] for k in range(0, len(rows), size)]
+        parts = []
+        for k, chunk in enumerate(chunks):
+            offset = k * params.steps  # progress counts on across the calls of one request
+            part = self.engine.run(chunk, params, lambda i, n, x, o=offset: hook(o + i, n * len(chunks), x))
+            metrics.observe_batch(self.engine.model_name, len(chunk))
+            parts.append(part)
+            if part.interrupted:
+                break
+        out = EngineOutput.concat(parts)
+        out.batch_images = max(len(c) for c in chunks)
+        out.pipeline_calls = len(parts)
+        return out
+
+    def _deliver(self, batch: list[Job], out: EngineOutput) -> None:
+        start = 0
+        for job in batch:
+            part = out.slice(start, start + len(job.rows))
+            start += len(job.rows)
+            part.batch_requests = len(batch)
+            if job.state != "running":  # aborted during the call: its images are dropped
+                continue
+            self.scheduler.retire(job, "done")
+            if not job.future.done():
+                job.future.set_result(part)
+
+    def _step_hook(self, batch: list[Job], loop: asyncio.AbstractEventLoop):
+        """Runs on the engine thread after every step: progress, previews, and the stop signal."""
+        t0 = time.perf_counter()
+
+        def hook(i: int, total: int, latents: torch.Tensor) -> bool:
+            start = 0
+            for job in batch:
+                n = len(job.rows)
+                job.step = i + 1
+                if job.listeners and job.state == "running":
+                    preview = None
+                    if job.preview_every and ((i + 1) % job.preview_every == 0 or i + 1 == total):
+                        preview = latents_preview(latents[start : start + n])
+                    event = StepEvent(
+                        request_id=job.request_id,
+                        step=i + 1,
+                        total_steps=total,
+                        elapsed_ms=(time.perf_counter() - t0) * 1e3,
+                        preview_png=preview,
+                    )
+                    for q in job.listeners:
+                        loop.call_soon_threadsafe(q.put_nowait, event)
+                start += n
+            # Stop the call once no request in it still wants its images.
+            return all(job.state != "running" for job in batch)
+
+        return hook
+
+    def _classify(self, e: Exception, batch: list[Job]) -> ServingError:
+        """A failed call's error for its callers. Only failures of the engine count towards the
+        self-test; a caller's bad arguments and running out of memory do not."""
+        rid = batch[0].request_id
+        rows = sum(len(j.rows) for j in batch)
+        p: CallParams = batch[0].payload[1]
+        if isinstance(e, LoraError):
+            return InvalidRequest(f"lora: {e}", param="lora", request_id=rid)
+        if isinstance(e, InvalidArguments):
+            return InvalidRequest(_no_paths(str(e)), param="extra" if p.extra else None, request_id=rid)
+        if isinstance(e, torch.OutOfMemoryError):
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            logger.warning("request %s ran out of device memory", rid)
+            return OutOfMemory(
+                f"out of device memory running {rows} image(s) at {p.width}x{p.height}; "
+                "try fewer or smaller images",
+                request_id=rid,
+            )
+        self._consecutive_failures += 1
+        logger.exception("request %s failed in the engine", rid, exc_info=e)
+        if is_fatal_device_error(e):
+            # A CUDA error of this kind poisons the context: no later call can succeed here.
+            # The requests of this call go to another replica too: the device failed, not they.
+            self._fatal = f"fatal device error: {type(e).__name__}: {e}"
+            logger.error("replica leaving after request %s: %s", rid, self._fatal)
+            return ReplicaLost(f"replica is restarting after a device error: {self._fatal}", request_id=rid)
+        return EngineFailure(f"engine error: {type(e).__name__}: {_no_paths(str(e))}", request_id=rid)
+
+    def _self_test(self) -> None:
+        """Engine thread, after `max_consecutive_failures` failed calls in a row: callers'
+        requests alone never make a replica unhealthy, so ask the engine to run a known-good
+        call; only if that fails too is the engine broken."""
+        n = self._consecutive_failures
+        try:
+            self.engine.self_test()
+        except Exception as e:
+            self._broken = f"{n} engine failures in a row, then the self-test failed: {type(e).__name__}: {e}"
+            logger.error("replica unhealthy: %s", self._broken)
+            return
+        logger.warning("%d engine failures in a row, but the self-test call works: still healthy", n)
+        self._consecutive_failures = 0
+        self._counts["self_tests_passed"] += 1
+
+    def _leave(self, loop: asyncio.AbstractEventLoop) -> None:
+        """After a fatal device error: hand every queued request back (the ingress sends them to
+        another replica) and end this actor, so that Serve replaces it now."""
+        lost = ReplicaLost(f"replica is restarting after a device error: {self._fatal}")
+        for job in list(self.scheduler.queue):
+            self.scheduler.fail(job, lost)
+        if _replica_id() != "local":  # inside Serve; a replica driven by tests stays alive
+            loop.call_later(0.1, _exit_actor)  # once the answers above are on their way
+
+    # ------------------------------------------------------------------ LoRA adapters
+
+    async def _on_engine(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, *args)
+
+    async def validate_lora(self, path: str) -> None:
+        """Load a candidate adapter under a scratch name and drop it again; LoraError -> 400."""
+        try:
+            await self._on_engine(self.adapters.check, path)
+        except LoraError as e:
+            raise InvalidRequest(f"path: {e}", param="path") from None
+
+    async def pin_lora(self, name: str, path: str, pinned: bool) -> list[str]:
+        if pinned:
+            try:
+                await self._on_engine(self.adapters.hold, name, path, True)
+            except LoraError as e:
+                raise InvalidRequest(f"pin: {e}", param="name") from None
+        else:
+            self.adapters.unpin(name)
+        return self.adapters.loaded
+
+    async def evict_lora(self, name: str) -> bool:
+        return await self._on_engine(self.adapters.drop, name)
+
+    def loaded_loras(self) -> dict[str, Any]:
+        return {"replica_id": _replica_id(), "loaded": self.adapters.loaded, "pinned": self.adapters.pinned}
+
+    # ------------------------------------------------------------------ profiling and collective RPC
+
+    async def start_profile(self, prefix: str) -> Outcome:
+        """Start the torch profiler on the engine thread; a second start is an error."""
+        return await outcome(_replica_id(), self.profiler.start(prefix))
+
+    async def stop_profile(self) -> Outcome:
+        """Stop the profiler and write its Chrome trace; stopping without a start is an error."""
+        return await outcome(_replica_id(), self.profiler.stop(_replica_id()))
+
+    async def collective_rpc(self, method: str, args: list, kwargs: dict) -> Outcome:
+        """Call an exported engine (or extension) method on the engine thread, on this replica."""
+        return await outcome(_replica_id(), call_exported(self.engine, self._on_engine, method, args, kwargs))
+
+    # ------------------------------------------------------------------ control and health
+
+    def describe(self) -> dict[str, Any]:
+        return self.engine.describe()
+
+    def stats(self) -> ReplicaStats:
+        s = self.scheduler
+        problem = self._health_problem()
+        counts = dict(self._counts)
+        counts.update(lora_loads=self.adapters.loads, lora_evictions=self.adapters.evictions)
+        return ReplicaStats(
+            replica_id=_replica_id(),
+            node_id=_node_id(),
+            queued_requests=len(s.queue),
+            queued_images=sum(len(j.rows) for j in s.queue),
+            running_requests=len(s.running),
+            running_images=sum(len(j.rows) for j in s.running),
+            healthy=problem is None,
+            health_problem=problem,
+            rss_mb=round(_rss_mb(), 1),
+            batching=self.batching.model_dump(),
+            loras_loaded=self.adapters.loaded,
+            engine_failures_in_a_row=self._consecutive_failures,
+            counts=counts,
+        )
+
+    def queue_length(self) -> int:
+        """Queued plus running images: the load figure for routing and autoscaling."""
+        return self.scheduler.queue_length()
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve calls this every `metrics_interval_s`; serve_app.autoscaling reads it."""
+        n = self.queue_length()
+        metrics.set_queue_length(self.engine.model_name, n)
+        return {QUEUE_LENGTH_METRIC: float(n)}
+
+    def _health_problem(self) -> str | None:
+        if self._fatal:
+            return self._fatal
+        if self._broken:
+            return self._broken
+        task = self._loop_task
+        if task is not None and task.done():
+            return f"engine loop stopped: {task.exception() if not task.cancelled() else 'cancelled'}"
+        started = self._call_started
+        limit = self.replica_cfg.engine_call_timeout_s
+        if started is not None and time.monotonic() - started > limit:
+            return f"a pipeline call has run for {time.monotonic() - started:.0f}s (limit {limit:g}s)"
+        return None
+
+    def ready(self) -> bool:
+        """Loaded, warmed up (the constructor did both) and healthy: the ingress's readiness."""
+        return self._health_problem() is None
+
+    async def check_health(self) -> None:
+        """Raise when the engine is broken beyond one request, so that Serve replaces us."""
+        problem = self._health_problem()
+        if problem:
+            raise Unavailable(problem)
+
+    def __del__(self):
+        for pool in (getattr(self, "_engine_thread", None), getattr(self, "_cpu_pool", None)):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _node_id() -> str | None:
+    import ray
+
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a Serve replica (tests that drive the replica directly)
+        return "local"
+
+
+def _embeds(request: PreparedRequest) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Prompt embeddings of a handle caller, as (1, tokens, hidden) tensors."""
+    out = []
+    for payload in (request.prompt_embeds, request.negative_prompt_embeds):
+        t = payload.to_torch() if payload is not None else None
+        out.append(t.unsqueeze(0) if t is not None and t.dim() == 2 else t)
+    return out[0], out[1]
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+_PATH = re.compile(r"(?<![\w.])/(?:[\w.@+-]+/)+[\w.@+-]*")
+
+
+def _no_paths(message: str) -> str:
+    """An engine's error text for a caller, without the server's file paths in it."""
+    return _PATH.sub("<path>", message)
+
+
+def _exit_actor() -> None:
+    """End this replica's actor; Serve starts a replacement at its next health check."""
+    import ray
+
+    ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+
+
+DiffusionReplicaDeployment = serve.deployment(DiffusionReplica, name="DiffusionReplica")
