@@ -2,11 +2,14 @@
 
 A cold `ray.init` plus `serve.run` costs 10-15 s on the 2-core machines, so every test that
 needs the serving stack shares the `app` fixture; tests that need a different deployment
-add it under its own name and route prefix and delete it when done.
+add it with `deployed(...)` or `app_factory`, under its own name and route prefix, and it is
+deleted when they are done.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
 import socket
 import tempfile
@@ -51,6 +54,39 @@ TEST_ARGS = {
 }  # fmt: skip
 
 
+def test_args(**overrides: dict) -> dict:
+    """TEST_ARGS with the given sections updated (`replica={"num_replicas": 2}`); a section
+    given as None is left out (its defaults apply)."""
+    args = copy.deepcopy(TEST_ARGS)
+    for section, values in overrides.items():
+        if values is None:
+            args.pop(section, None)
+        else:
+            args[section] = {**args.get(section, {}), **values}
+    return args
+
+
+def deploy(name: str, args: dict) -> str:
+    """Deploy `args` as app `name` at route prefix `/name` beside the shared app."""
+    from ray import serve
+
+    from serve_app.app import build_app
+
+    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+    return f"/{name}"
+
+
+@contextlib.contextmanager
+def deployed(name: str, **overrides: dict):
+    """An app of its own for a module or a test (yields its route prefix), deleted after."""
+    from ray import serve
+
+    try:
+        yield deploy(name, test_args(**overrides))
+    finally:
+        serve.delete(name)
+
+
 def wait_for(pred, timeout: float = 60.0, interval: float = 0.05):
     """Poll `pred` until it returns something truthy; return that, or fail after `timeout` s."""
     end = time.monotonic() + timeout
@@ -92,6 +128,22 @@ def app(ray_cluster):
 
     serve.run(build_app(TEST_ARGS), name=APP_NAME, route_prefix="/")
     return ray_cluster
+
+
+@pytest.fixture
+def app_factory(ray_cluster):
+    """`make(name, **overrides)` deploys an app for one test; all are deleted after it."""
+    from ray import serve
+
+    names = []
+
+    def make(name, **overrides):
+        names.append(name)
+        return deploy(name, test_args(**overrides))
+
+    yield make
+    for n in names:
+        serve.delete(n)
 
 
 @pytest.fixture(scope="session")

@@ -2,24 +2,17 @@
 
 from __future__ import annotations
 
-import copy
-
 import pytest
-from ray import serve
 
-from serve_app.app import build_app
-from tests.conftest import TEST_ARGS
+from tests.conftest import deployed
 
 USER, ADMIN = "user-key-8f3a", "admin-key-1c9d"
 
 
 @pytest.fixture(scope="module")
 def auth_app(ray_cluster):
-    args = copy.deepcopy(TEST_ARGS)
-    args["auth"] = {"api_keys": [USER], "admin_keys": [ADMIN]}
-    serve.run(build_app(args), name="auth", route_prefix="/auth")
-    yield "/auth"
-    serve.delete("auth")
+    with deployed("auth", auth={"api_keys": [USER], "admin_keys": [ADMIN]}) as prefix:
+        yield prefix
 
 
 def hdr(key):

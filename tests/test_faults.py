@@ -8,7 +8,6 @@ ones the closing notes report.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import copy
 import json
 import os
 import random
@@ -20,32 +19,10 @@ import pytest
 import ray
 from ray import serve
 
-from serve_app.app import build_app
 from serve_app.testing import fault_token_path
-from tests.conftest import TEST_ARGS, wait_for
+from tests.conftest import deploy, test_args, wait_for
 
 pytestmark = pytest.mark.slow
-
-
-def deploy(name: str, **overrides) -> str:
-    args = copy.deepcopy(TEST_ARGS)
-    for section, values in overrides.items():
-        args[section] = {**args.get(section, {}), **values}
-    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
-    return f"/{name}"
-
-
-@pytest.fixture
-def app_factory(ray_cluster):
-    names = []
-
-    def make(name, **overrides):
-        names.append(name)
-        return deploy(name, **overrides)
-
-    yield make
-    for n in names:
-        serve.delete(n)
 
 
 def status(client, prefix) -> dict:
@@ -299,8 +276,8 @@ def test_redeploy_lets_accepted_requests_finish(app_factory, base_url, client):
         )
         wait_for(lambda: status(client, prefix)["replicas"][0]["running_requests"] == 1, 30)
         deploy(
-            "drain", model={"seed": 1}, replica={"graceful_shutdown_timeout_s": 60}
-        )  # new weights: new replica
+            "drain", test_args(model={"seed": 1}, replica={"graceful_shutdown_timeout_s": 60})
+        )  # new weights
         r = fut.result(180)
     assert r.status_code == 200, r.text
     assert status(client, prefix)["replicas"][0]["replica_id"] != before

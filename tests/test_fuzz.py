@@ -7,47 +7,36 @@ generated requests stay cheap; its admin key lets the fuzzer reach the admin rou
 
 from __future__ import annotations
 
-import copy
-
 import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
-from ray import serve
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
     response_schema_conformance,
     status_code_conformance,
 )
 
-from serve_app.app import build_app
-from tests.conftest import SESSION_DIR, TEST_ARGS
+from tests.conftest import SESSION_DIR, deployed
 
 ADMIN = "fuzz-admin-key"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
-PREFIX = "/fuzz"
 STARTED_AS: list[str] = []  # the replica's id when the app came up
 
 
 @pytest.fixture(scope="module")
 def fuzz_app(ray_cluster):
-    args = copy.deepcopy(TEST_ARGS)
-    args["model"].update(default_height=16, default_width=16, default_steps=2, engine_extension=None)
-    args["limits"] = {
-        "max_pixels": 32 * 32,
-        "max_side": 32,
-        "max_steps": 3,
-        "max_images": 2,
-        "max_prompts": 2,
-    }
-    args["auth"] = {"admin_keys": [ADMIN]}
-    args["profiling"] = {"trace_dir": str(SESSION_DIR / "fuzz-traces")}
-    args["lora"] = {**args["lora"], "registry_path": str(SESSION_DIR / "fuzz-registry.json")}
-    serve.run(build_app(args), name="fuzz", route_prefix=PREFIX)
-    url = ray_cluster + PREFIX
-    STARTED_AS.append(httpx.get(f"{url}/v1/status", headers=AUTH).json()["replicas"][0]["replica_id"])
-    yield url
-    serve.delete("fuzz")
+    with deployed(
+        "fuzz",
+        model={"default_height": 16, "default_width": 16, "default_steps": 2, "engine_extension": None},
+        limits={"max_pixels": 32 * 32, "max_side": 32, "max_steps": 3, "max_images": 2, "max_prompts": 2},
+        auth={"admin_keys": [ADMIN], "local_admin": False},
+        profiling={"trace_dir": str(SESSION_DIR / "fuzz-traces")},
+        lora={"registry_path": str(SESSION_DIR / "fuzz-registry.json")},
+    ) as prefix:
+        url = ray_cluster + prefix
+        STARTED_AS.append(httpx.get(f"{url}/v1/status", headers=AUTH).json()["replicas"][0]["replica_id"])
+        yield url
 
 
 @pytest.fixture(scope="module")

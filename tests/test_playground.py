@@ -2,23 +2,41 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 
 import pytest
 
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+def chromium() -> str:
+    """Debian's Chromium: found on the PATH, or installed here (root with apt, as on the
+    project's machines and CI), so that the README's test command is the whole set-up."""
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found or os.geteuid() != 0 or not shutil.which("apt-get"):
+        return found
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    subprocess.run(["apt-get", "update", "-qq"], env=env, check=False, capture_output=True)
+    subprocess.run(["apt-get", "install", "-y", "-qq", "chromium"], env=env, check=False, capture_output=True)
+    return shutil.which("chromium")
+
+
 ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
         "--disable-background-networking", "--disable-component-update", "--disable-sync"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def page(app):
-    if CHROMIUM is None:
-        pytest.fail("Debian's chromium is not installed: .ci/run installs it (apt-get install chromium)")
+    executable = chromium()
+    if executable is None:
+        pytest.fail(
+            "no Chromium, and it cannot be installed here: install Debian's chromium "
+            "(apt-get install chromium)"
+        )
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, args=ARGS)
+        browser = p.chromium.launch(executable_path=executable, args=ARGS)
         yield browser.new_page()
         browser.close()
 

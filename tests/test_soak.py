@@ -1,34 +1,28 @@
-"""A bounded soak: thousands of small requests, mixed sizes, some aborted, some invalid."""
+"""A bounded soak: a thousand small requests, mixed sizes, some aborted, some invalid."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import copy
 import random
 import threading
 import time
 
 import httpx
 import pytest
-from ray import serve
 
-from serve_app.app import build_app
-from tests.conftest import TEST_ARGS
+from tests.conftest import deployed
 
 pytestmark = pytest.mark.slow
 
-TOTAL = 2000
+TOTAL = 1000
 CLIENTS = 8
 
 
 @pytest.fixture(scope="module")
 def soak_app(ray_cluster):
     """Its own app with a short batch window (the shared app waits 100 ms to batch test requests)."""
-    args = copy.deepcopy(TEST_ARGS)
-    args["batching"] = {"max_batch_images": 8, "batch_wait_ms": 5}
-    serve.run(build_app(args), name="soak", route_prefix="/soak")
-    yield "/soak"
-    serve.delete("soak")
+    with deployed("soak", batching={"batch_wait_ms": 5}) as prefix:
+        yield prefix
 
 
 def test_soak_mixed_traffic_no_unexpected_errors_and_flat_memory(soak_app, client, base_url):

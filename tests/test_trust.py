@@ -6,7 +6,6 @@ files or leak server paths, and every answer is the project's JSON error, never 
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 
@@ -15,9 +14,8 @@ import pytest
 from ray import serve
 
 from serve_app.access import ADMIN_CLOSED, AccessPolicy
-from serve_app.app import build_app
 from serve_app.testing import FAIL_MARKER, OOM_MARKER
-from tests.conftest import SESSION_DIR, TEST_ARGS
+from tests.conftest import SESSION_DIR, deploy, test_args
 
 GEN = "/v1/images/generations"
 ADMIN_ROUTES = (
@@ -115,9 +113,8 @@ def test_admin_policy(policy, auth, host, allowed):
 @pytest.fixture(scope="module")
 def slow_start(ray_cluster):
     """An app with the default auth settings whose replica takes seconds to load and warm up."""
-    args = copy.deepcopy(TEST_ARGS)
-    del args["auth"]  # no keys, no local opt-in: what `serve run serve_config.yaml` gives
-    args["model"].update(default_height=128, default_width=128, warmup_steps=25)
+    # No keys and no local opt-in: what `serve run serve_config.yaml` gives.
+    args = test_args(auth=None, model={"default_height": 128, "default_width": 128, "warmup_steps": 25})
     name = "slowstart"
     seen: list[tuple[str, int, dict, dict]] = []
     stop = threading.Event()
@@ -140,7 +137,7 @@ def slow_start(ray_cluster):
 
     t = threading.Thread(target=poll, daemon=True)
     t.start()
-    serve.run(build_app(args), name=name, route_prefix=f"/{name}")
+    deploy(name, args)
     yield f"/{name}", seen, stop
     stop.set()
     t.join(30)
