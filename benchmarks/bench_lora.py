@@ -63,6 +63,7 @@ def main() -> None:
         "replica": {"num_gpus": 1 if a.device == "cuda" else 0, "num_cpus": 0},
         "lora": {"registry_path": str(work / "registry.json"), "allowed_roots": [str(work)], "max_loaded": 4},
         "ingress": {"num_cpus": 0},
+        "auth": {"local_admin": True},  # the benchmark registers adapters from this machine
     }
     start_app(args, a.device, port)
     url = f"http://127.0.0.1:{port}"

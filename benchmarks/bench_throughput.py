@@ -11,7 +11,7 @@ image in the replica, the ingress, Serve's proxy, this client and Ray's other pr
 the raw pipeline's CPU per image at batch 8). Then `--rounds` alternating pairs of (raw batch 8,
 8 clients), whose median ratio is the headline: on a shared machine the speed drifts by tens of
 percent within minutes, and a ratio of two numbers measured minutes apart measures the drift.
-Prints the ratios the goals are stated in, whether each goal of issue 6 is met, and writes JSON
+Prints the ratios the goals are stated in, whether each throughput goal is met, and writes JSON
 plus a PNG chart.
 """
 
@@ -247,7 +247,7 @@ def main() -> None:
 
     def served_level(size: int, clients: int, per: int) -> dict:
         # Start once the replica has been idle past its batch window: the first wave would
-        # otherwise wait for the previous level's clients to come back (see replica._fill_deadline).
+        # otherwise wait for the previous level's clients to come back (see Scheduler.fill_deadline).
         time.sleep(args["batching"]["batch_wait_ms"] / 1e3 + 0.05)
         return asyncio.run(closed_loop(url, clients, per, size, a.steps, handle))
 

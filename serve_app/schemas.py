@@ -128,7 +128,7 @@ class LoraRef(_Wire):
 
 
 class GenerationParams(_Wire):
-    """Sampling parameters shared by every prompt of one request (the seed's sampling params)."""
+    """Sampling parameters shared by every prompt of one request."""
 
     negative_prompt: str | None = None
     height: int | None = Field(None, ge=8, multiple_of=8, description="Pixels; default: the model's.")
@@ -267,7 +267,7 @@ class StageMetrics(_Wire):
 
 
 class GenerationResult(_Wire):
-    """The seed's OmniRequestOutput: images of every prompt of the request, in prompt order."""
+    """A request's result: the images of every prompt of the request, in prompt order."""
 
     request_id: str
     model: str
