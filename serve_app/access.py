@@ -91,22 +91,19 @@ class AccessPolicy:
         return Forbidden(ADMIN_CLOSED)
 
 
-class _Installed:
-    """The policy and body limit of the ingress in this process. Serve serves a copy of the
-    FastAPI app that it unpickles in the replica, so the ingress cannot reach that copy's state
-    from its constructor; it installs its settings here (one ingress per process)."""
+def _servable():
+    """The ingress object this process serves (Serve's replica context): its access policy and
+    body limit are per deployment, not module globals. None outside Serve."""
+    try:
+        from ray import serve
 
-    policy = AccessPolicy()
-    max_body_bytes: int | None = None
-
-
-def install(policy: AccessPolicy, max_body_bytes: int) -> None:
-    _Installed.policy = policy
-    _Installed.max_body_bytes = max_body_bytes
+        return serve.get_replica_context().servable_object
+    except Exception:
+        return None
 
 
 def _policy(request: Request) -> AccessPolicy:
-    return _Installed.policy
+    return getattr(_servable(), "access", None) or AccessPolicy()
 
 
 def route_path(request: Request) -> str:
@@ -149,7 +146,7 @@ class BodyLimit:
         self.max_bytes = max_bytes
 
     def _limit(self, scope) -> int | None:
-        return _Installed.max_body_bytes or self.max_bytes
+        return getattr(_servable(), "max_body_bytes", None) or self.max_bytes
 
     async def __call__(self, scope, receive, send):
         limit = self._limit(scope) if scope["type"] == "http" else None

@@ -36,7 +36,7 @@ def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
         graceful_shutdown_timeout_s=r.graceful_shutdown_timeout_s,
         max_constructor_retry_count=r.max_constructor_retry_count,
         user_config=cfg.batching.model_dump(),
-    ).bind(cfg.model, cfg.batching, r, cfg.lora, cfg.profiling)
+    ).bind(cfg.model, replica=r, lora=cfg.lora, profiling=cfg.profiling)  # batching: user_config
     ing = cfg.ingress
     return DiffusionIngressDeployment.options(
         num_replicas=ing.num_replicas,

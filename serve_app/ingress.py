@@ -26,7 +26,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app import metrics, sse
-from serve_app.access import AccessPolicy, BodyLimit, check_api_key, error_response, install, require_admin
+from serve_app.access import AccessPolicy, BodyLimit, check_api_key, error_response, require_admin
 from serve_app.config import AppConfig, Limits
 from serve_app.errors import (
     DeadlineExceeded,
@@ -69,11 +69,6 @@ from serve_app.schemas import (
 
 logger = logging.getLogger("ray.serve")
 
-app = FastAPI(
-    title="diffusion-serve",
-    description="Diffusion image models on Ray Serve; the image routes follow the OpenAI Images API.",
-    version="0.1.0",
-)
 _PLAYGROUND = (Path(__file__).parent / "playground.html").read_text()
 _ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 413, 429, 499, 500, 503, 504)}
 # The image routes answer JSON, or with `stream: true` Server-Sent Events.
@@ -81,21 +76,15 @@ _IMAGE_RESPONSES = {**_ERRORS, 200: {"content": {"text/event-stream": {"schema":
 # Routes that change the server for everyone: an admin key, or the local opt-in (access.py).
 _ADMIN = {"dependencies": [Depends(require_admin)], "responses": _ERRORS}
 
-app.middleware("http")(check_api_key)
-app.add_middleware(BodyLimit)
 
-
-@app.exception_handler(ServingError)
 async def _serving_error(request: Request, exc: ServingError) -> JSONResponse:
     return error_response(exc)
 
 
-@app.exception_handler(RequestValidationError)
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
     return error_response(validation_to_error(exc.errors()))
 
 
-@app.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
     """FastAPI's own refusals (unknown route, wrong method) in the project's error body."""
     kinds = {404: NotFound, 405: InvalidRequest}
@@ -104,15 +93,37 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return error_response(err)
 
 
-@app.exception_handler(DeploymentUnavailableError)
 async def _no_replica(request: Request, exc: DeploymentUnavailableError) -> JSONResponse:
     return error_response(_not_ready())
 
 
-@app.exception_handler(Exception)
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
     return error_response(ServingError("internal error; the server log has the details"))
+
+
+def make_app() -> FastAPI:
+    """The FastAPI app: access checks, the body limit, and every error as the JSON error body.
+    The routes are `DiffusionIngress`'s methods below, registered on this app."""
+    fastapi_app = FastAPI(
+        title="diffusion-serve",
+        description="Diffusion image models on Ray Serve; the image routes follow the OpenAI Images API.",
+        version="0.1.0",
+    )
+    fastapi_app.middleware("http")(check_api_key)
+    fastapi_app.add_middleware(BodyLimit)
+    for exc_type, handler in (
+        (ServingError, _serving_error),
+        (RequestValidationError, _validation_error),
+        (StarletteHTTPException, _http_error),
+        (DeploymentUnavailableError, _no_replica),
+        (Exception, _unexpected),
+    ):
+        fastapi_app.add_exception_handler(exc_type, handler)
+    return fastapi_app
+
+
+app = make_app()
 
 
 def _not_ready() -> Unavailable:
@@ -194,7 +205,9 @@ class DiffusionIngress:
         self._rng = random.SystemRandom()
         self.registry = Registry(self.cfg.lora.registry_path)
         self._ready_until = 0.0  # a replica said it was ready: trusted until then
-        install(AccessPolicy.from_config(self.cfg.auth), self.cfg.limits.max_body_bytes)
+        # Read by access.py's middleware and route dependency through Serve's replica context.
+        self.access = AccessPolicy.from_config(self.cfg.auth)
+        self.max_body_bytes = self.cfg.limits.max_body_bytes
 
     # ------------------------------------------------------------------ readiness
 
