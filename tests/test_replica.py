@@ -341,15 +341,14 @@ def test_a_broken_engine_fails_its_self_test_and_reports_unhealthy(faulty):
             run(faulty.check_health())
     finally:
         faulty.engine.broken = False
-        faulty._broken = None  # Serve would replace the replica; the fixture lives on
-        faulty._consecutive_failures = 0
+        faulty.health.broken = None  # Serve would replace the replica; the fixture lives on
+        faulty.health.consecutive_failures = 0
 
 
 def test_a_call_running_past_its_limit_reports_unhealthy(faulty):
     from serve_app.errors import Unavailable
 
-    before = faulty.replica_cfg
-    faulty.replica_cfg = before.model_copy(update={"engine_call_timeout_s": 0.3})
+    faulty.health.call_timeout_s = 0.3
     try:
 
         async def go():
@@ -363,7 +362,7 @@ def test_a_call_running_past_its_limit_reports_unhealthy(faulty):
 
         run(go())
     finally:
-        faulty.replica_cfg = before
+        faulty.health.call_timeout_s = 900
 
 
 def test_a_dead_engine_loop_reports_unhealthy(faulty):
@@ -395,4 +394,4 @@ def test_a_fatal_device_error_hands_every_request_back(faulty):
         with pytest.raises(ReplicaLost):  # and it takes nothing new
             run(faulty.generate(req("c", "fatal-after")))
     finally:
-        faulty._fatal = None
+        faulty.health.fatal = None

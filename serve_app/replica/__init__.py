@@ -3,6 +3,8 @@
 * `deployment.py`: the Serve deployment; wires the parts below and runs the request path.
 * `scheduler.py`: the queue: which requests share a pipeline call and when (no Ray, no torch).
 * `adapters.py`: which LoRA adapters this replica holds (load, LRU eviction, pins).
+* `health.py`: whether the replica can serve, and what a failed pipeline call means.
+* `results.py`: step events and results sent back to the ingress.
 * `control.py`: profiling and collective RPC, answered per replica.
 * `routing.py`: tells Serve's router which adapters this replica holds.
 """

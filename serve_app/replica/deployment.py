@@ -14,7 +14,6 @@ import collections
 import concurrent.futures
 import logging
 import os
-import re
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,24 +29,21 @@ from serve_app.engine import (
     CallParams,
     Engine,
     EngineOutput,
-    InvalidArguments,
     LoraError,
     ModelLoadError,
     Row,
     encode_image,
 )
-from serve_app.engine.engine import engine_class, is_fatal_device_error, latents_preview
+from serve_app.engine.engine import engine_class
 from serve_app.errors import (
-    EngineFailure,
     InvalidRequest,
-    OutOfMemory,
-    ReplicaLost,
-    ServingError,
     Unavailable,
 )
 from serve_app.lora import Registry
 from serve_app.replica.adapters import AdapterResidency
 from serve_app.replica.control import Profiler, call_exported, outcome
+from serve_app.replica.health import Health
+from serve_app.replica.results import build_result, step_hook
 from serve_app.replica.routing import report_adapters
 from serve_app.replica.scheduler import Job, Scheduler
 from serve_app.schemas import (
@@ -56,10 +52,6 @@ from serve_app.schemas import (
     PreparedRequest,
     ReplicaStats,
     RequestState,
-    StageMetrics,
-    StepEvent,
-    TensorPayload,
-    Trajectory,
 )
 
 logger = logging.getLogger("ray.serve")
@@ -96,12 +88,11 @@ class DiffusionReplica:
         self.scheduler = Scheduler(BatchingConfig.model_validate(batching or {}), on_retire=self._on_retire)
         self.adapters = AdapterResidency(self.engine, lora_cfg.max_loaded, on_change=report_adapters)
         self.profiler = Profiler(ProfilingConfig.model_validate(profiling or {}).trace_dir, self._on_engine)
+        self.health = Health(
+            self.replica_cfg.max_consecutive_failures, self.replica_cfg.engine_call_timeout_s
+        )
         self._loop_task: asyncio.Task | None = None
         self._counts = collections.Counter()
-        self._consecutive_failures = 0
-        self._call_started: float | None = None
-        self._fatal: str | None = None  # a device error: this replica is leaving
-        self._broken: str | None = None  # failures in a row and a failed self-test
         # Converge to the registry before taking traffic: a replica that starts late (autoscaling,
         # a replacement) holds the pinned adapters like the others, without anyone asking.
         for name, entry in Registry(lora_cfg.registry_path).all().items():
@@ -163,8 +154,8 @@ class DiffusionReplica:
 
     def _submit(self, request: PreparedRequest, preview_every: int = 0) -> Job:
         rid = request.request_id
-        if self._fatal:
-            raise ReplicaLost(f"replica is restarting after a device error: {self._fatal}", request_id=rid)
+        if self.health.fatal:
+            raise self.health.lost(rid)
         try:
             extra = self.engine.check_extra(request.extra)
         except ValueError as e:
@@ -225,43 +216,7 @@ class DiffusionReplica:
                 for im in output.images
             )
         )
-        return self._result(job, output, images, (time.perf_counter() - t) * 1e3)
-
-    def _result(self, job: Job, out: EngineOutput, images: list[bytes], encode_ms: float) -> GenerationResult:
-        request: PreparedRequest = job.payload[0]
-        t = out.timings_ms
-        stage = StageMetrics(
-            queue_ms=(job.started - job.enqueued) * 1e3,
-            text_encode_ms=t["text_encode_ms"],
-            denoise_ms=t["denoise_ms"],
-            vae_decode_ms=t["vae_decode_ms"],
-            image_encode_ms=encode_ms,
-            total_ms=(time.perf_counter() - job.enqueued) * 1e3,
-            batch_images=out.batch_images,
-            batch_requests=out.batch_requests,
-            pipeline_calls=out.pipeline_calls,
-            steps=out.steps_run,
-        )
-        trajectory = None
-        if out.trajectory_latents is not None:
-            trajectory = Trajectory(
-                timesteps=out.trajectory_timesteps,
-                latents=[TensorPayload.from_tensor(x) for x in out.trajectory_latents],
-            )
-        metrics.observe_stages(self.engine.model_name, stage.stage_ms())
-        return GenerationResult(
-            request_id=job.request_id,
-            model=self.engine.model_name,
-            images=images,
-            output_format=request.output_format,
-            seeds=[r.seed for r in job.rows],
-            prompt_index=[i for i in range(len(request.prompts)) for _ in range(request.num_images)],
-            metrics=stage,
-            peak_memory_mb=out.peak_memory_mb,
-            peak_memory_kind=out.memory_kind,
-            latents=TensorPayload.from_tensor(out.latents) if out.latents is not None else None,
-            trajectory=trajectory,
-        )
+        return build_result(job, output, images, (time.perf_counter() - t) * 1e3, self.engine.model_name)
 
     # ------------------------------------------------------------------ abort and status
 
@@ -312,24 +267,24 @@ class DiffusionReplica:
         while True:
             batch = await self.scheduler.next_batch()
             rows = [r for j in batch for r in j.rows]
-            hook = self._step_hook(batch, loop)
+            hook = step_hook(batch, loop)
             try:
-                self._call_started = time.monotonic()
+                self.health.call_started = time.monotonic()
                 out = await loop.run_in_executor(self._engine_thread, self._run_call, batch, rows, hook)
             except Exception as e:  # one call's failure; the loop goes on
-                err = self._classify(e, batch)
+                err = self.health.classify(e, batch[0].request_id, len(rows), batch[0].payload[1])
                 for job in batch:
                     if job.state == "running":
                         self.scheduler.fail(job, err)
-                if self._fatal:
+                if self.health.fatal:
                     self._leave(loop)
-                elif self._consecutive_failures >= self.replica_cfg.max_consecutive_failures:
-                    await loop.run_in_executor(self._engine_thread, self._self_test)
+                elif self.health.needs_self_test:
+                    await loop.run_in_executor(self._engine_thread, self.health.self_test, self.engine)
             else:
-                self._consecutive_failures = 0
+                self.health.consecutive_failures = 0
                 self._deliver(batch, out)
             finally:
-                self._call_started = None
+                self.health.call_started = None
                 self.scheduler.call_ended(batch)
                 metrics.set_queue_length(self.engine.model_name, self.queue_length())
 
@@ -366,84 +321,11 @@ class DiffusionReplica:
             if not job.future.done():
                 job.future.set_result(part)
 
-    def _step_hook(self, batch: list[Job], loop: asyncio.AbstractEventLoop):
-        """Runs on the engine thread after every step: progress, previews, and the stop signal."""
-        t0 = time.perf_counter()
-
-        def hook(i: int, total: int, latents: torch.Tensor) -> bool:
-            start = 0
-            for job in batch:
-                n = len(job.rows)
-                job.step = i + 1
-                if job.listeners and job.state == "running":
-                    preview = None
-                    if job.preview_every and ((i + 1) % job.preview_every == 0 or i + 1 == total):
-                        preview = latents_preview(latents[start : start + n])
-                    event = StepEvent(
-                        request_id=job.request_id,
-                        step=i + 1,
-                        total_steps=total,
-                        elapsed_ms=(time.perf_counter() - t0) * 1e3,
-                        preview_png=preview,
-                    )
-                    for q in job.listeners:
-                        loop.call_soon_threadsafe(q.put_nowait, event)
-                start += n
-            # Stop the call once no request in it still wants its images.
-            return all(job.state != "running" for job in batch)
-
-        return hook
-
-    def _classify(self, e: Exception, batch: list[Job]) -> ServingError:
-        """A failed call's error for its callers. Only failures of the engine count towards the
-        self-test; a caller's bad arguments and running out of memory do not."""
-        rid = batch[0].request_id
-        rows = sum(len(j.rows) for j in batch)
-        p: CallParams = batch[0].payload[1]
-        if isinstance(e, LoraError):
-            return InvalidRequest(f"lora: {e}", param="lora", request_id=rid)
-        if isinstance(e, InvalidArguments):
-            return InvalidRequest(_no_paths(str(e)), param="extra" if p.extra else None, request_id=rid)
-        if isinstance(e, torch.OutOfMemoryError):
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            logger.warning("request %s ran out of device memory", rid)
-            return OutOfMemory(
-                f"out of device memory running {rows} image(s) at {p.width}x{p.height}; "
-                "try fewer or smaller images",
-                request_id=rid,
-            )
-        self._consecutive_failures += 1
-        logger.exception("request %s failed in the engine", rid, exc_info=e)
-        if is_fatal_device_error(e):
-            # A CUDA error of this kind poisons the context: no later call can succeed here.
-            # The requests of this call go to another replica too: the device failed, not they.
-            self._fatal = f"fatal device error: {type(e).__name__}: {e}"
-            logger.error("replica leaving after request %s: %s", rid, self._fatal)
-            return ReplicaLost(f"replica is restarting after a device error: {self._fatal}", request_id=rid)
-        return EngineFailure(f"engine error: {type(e).__name__}: {_no_paths(str(e))}", request_id=rid)
-
-    def _self_test(self) -> None:
-        """Engine thread, after `max_consecutive_failures` failed calls in a row: callers'
-        requests alone never make a replica unhealthy, so ask the engine to run a known-good
-        call; only if that fails too is the engine broken."""
-        n = self._consecutive_failures
-        try:
-            self.engine.self_test()
-        except Exception as e:
-            self._broken = f"{n} engine failures in a row, then the self-test failed: {type(e).__name__}: {e}"
-            logger.error("replica unhealthy: %s", self._broken)
-            return
-        logger.warning("%d engine failures in a row, but the self-test call works: still healthy", n)
-        self._consecutive_failures = 0
-        self._counts["self_tests_passed"] += 1
-
     def _leave(self, loop: asyncio.AbstractEventLoop) -> None:
         """After a fatal device error: hand every queued request back (the ingress sends them to
         another replica) and end this actor, so that Serve replaces it now."""
-        lost = ReplicaLost(f"replica is restarting after a device error: {self._fatal}")
         for job in list(self.scheduler.queue):
-            self.scheduler.fail(job, lost)
+            self.scheduler.fail(job, self.health.lost())
         if _replica_id() != "local":  # inside Serve; a replica driven by tests stays alive
             loop.call_later(0.1, _exit_actor)  # once the answers above are on their way
 
@@ -496,9 +378,13 @@ class DiffusionReplica:
 
     def stats(self) -> ReplicaStats:
         s = self.scheduler
-        problem = self._health_problem()
+        problem = self.health.problem(self._loop_task)
         counts = dict(self._counts)
-        counts.update(lora_loads=self.adapters.loads, lora_evictions=self.adapters.evictions)
+        counts.update(
+            lora_loads=self.adapters.loads,
+            lora_evictions=self.adapters.evictions,
+            self_tests_passed=self.health.self_tests_passed,
+        )
         return ReplicaStats(
             replica_id=_replica_id(),
             node_id=_node_id(),
@@ -511,7 +397,7 @@ class DiffusionReplica:
             rss_mb=round(_rss_mb(), 1),
             batching=self.batching.model_dump(),
             loras_loaded=self.adapters.loaded,
-            engine_failures_in_a_row=self._consecutive_failures,
+            engine_failures_in_a_row=self.health.consecutive_failures,
             counts=counts,
         )
 
@@ -525,27 +411,13 @@ class DiffusionReplica:
         metrics.set_queue_length(self.engine.model_name, n)
         return {QUEUE_LENGTH_METRIC: float(n)}
 
-    def _health_problem(self) -> str | None:
-        if self._fatal:
-            return self._fatal
-        if self._broken:
-            return self._broken
-        task = self._loop_task
-        if task is not None and task.done():
-            return f"engine loop stopped: {task.exception() if not task.cancelled() else 'cancelled'}"
-        started = self._call_started
-        limit = self.replica_cfg.engine_call_timeout_s
-        if started is not None and time.monotonic() - started > limit:
-            return f"a pipeline call has run for {time.monotonic() - started:.0f}s (limit {limit:g}s)"
-        return None
-
     def ready(self) -> bool:
         """Loaded, warmed up (the constructor did both) and healthy: the ingress's readiness."""
-        return self._health_problem() is None
+        return self.health.problem(self._loop_task) is None
 
     async def check_health(self) -> None:
         """Raise when the engine is broken beyond one request, so that Serve replaces us."""
-        problem = self._health_problem()
+        problem = self.health.problem(self._loop_task)
         if problem:
             raise Unavailable(problem)
 
@@ -580,14 +452,6 @@ def _embeds(request: PreparedRequest) -> tuple[torch.Tensor | None, torch.Tensor
 def _rss_mb() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-_PATH = re.compile(r"(?<![\w.])/(?:[\w.@+-]+/)+[\w.@+-]*")
-
-
-def _no_paths(message: str) -> str:
-    """An engine's error text for a caller, without the server's file paths in it."""
-    return _PATH.sub("<path>", message)
 
 
 def _exit_actor() -> None:

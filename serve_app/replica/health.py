@@ -1,0 +1,102 @@
+"""Whether a replica can serve, and what a failed pipeline call means.
+
+Callers' requests alone never make a replica unhealthy: a caller's bad arguments and running
+out of memory are that caller's answer, and engine failures in a row only make the replica run
+a short known-good call (a self-test), which must fail too. A fatal device error, a call that
+hangs past its limit or a stopped engine loop do make it unhealthy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+
+import torch
+
+from serve_app.engine import CallParams, InvalidArguments, LoraError, is_fatal_device_error
+from serve_app.errors import EngineFailure, InvalidRequest, OutOfMemory, ReplicaLost, ServingError
+
+logger = logging.getLogger("ray.serve")
+
+_PATH = re.compile(r"(?<![\w.])/(?:[\w.@+-]+/)+[\w.@+-]*")
+
+
+def no_paths(message: str) -> str:
+    """An engine's error text for a caller, without the server's file paths in it."""
+    return _PATH.sub("<path>", message)
+
+
+class Health:
+    def __init__(self, max_consecutive_failures: int, call_timeout_s: float):
+        self.max_failures = max_consecutive_failures
+        self.call_timeout_s = call_timeout_s
+        self.consecutive_failures = 0
+        self.self_tests_passed = 0
+        self.fatal: str | None = None  # a device error: this replica is leaving
+        self.broken: str | None = None  # failures in a row and a failed self-test
+        self.call_started: float | None = None
+
+    def classify(self, e: Exception, request_id: str, rows: int, params: CallParams) -> ServingError:
+        """A failed call's error for its callers; engine failures are counted, a fatal device
+        error marks the replica as leaving."""
+        if isinstance(e, LoraError):
+            return InvalidRequest(f"lora: {e}", param="lora", request_id=request_id)
+        if isinstance(e, InvalidArguments):
+            param = "extra" if params.extra else None
+            return InvalidRequest(no_paths(str(e)), param=param, request_id=request_id)
+        if isinstance(e, torch.OutOfMemoryError):
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            logger.warning("request %s ran out of device memory", request_id)
+            return OutOfMemory(
+                f"out of device memory running {rows} image(s) at {params.width}x{params.height}; "
+                "try fewer or smaller images",
+                request_id=request_id,
+            )
+        self.consecutive_failures += 1
+        logger.exception("request %s failed in the engine", request_id, exc_info=e)
+        if is_fatal_device_error(e):
+            # A CUDA error of this kind poisons the context: no later call can succeed here.
+            # The requests of this call go to another replica too: the device failed, not they.
+            self.fatal = f"fatal device error: {type(e).__name__}: {e}"
+            logger.error("replica leaving after request %s: %s", request_id, self.fatal)
+            return self.lost(request_id)
+        return EngineFailure(f"engine error: {type(e).__name__}: {no_paths(str(e))}", request_id=request_id)
+
+    def lost(self, request_id: str | None = None) -> ReplicaLost:
+        return ReplicaLost(f"replica is restarting after a device error: {self.fatal}", request_id=request_id)
+
+    @property
+    def needs_self_test(self) -> bool:
+        return self.consecutive_failures >= self.max_failures
+
+    def self_test(self, engine) -> None:
+        """Engine thread: a known-good call decides whether the failures were the engine's."""
+        n = self.consecutive_failures
+        try:
+            engine.self_test()
+        except Exception as e:
+            self.broken = f"{n} engine failures in a row, then the self-test failed: {type(e).__name__}: {e}"
+            logger.error("replica unhealthy: %s", self.broken)
+            return
+        logger.warning("%d engine failures in a row, but the self-test call works: still healthy", n)
+        self.consecutive_failures = 0
+        self.self_tests_passed += 1
+
+    def problem(self, loop_task: asyncio.Task | None) -> str | None:
+        """Why this replica cannot serve, or None."""
+        if self.fatal:
+            return self.fatal
+        if self.broken:
+            return self.broken
+        if loop_task is not None and loop_task.done():
+            return (
+                f"engine loop stopped: {loop_task.exception() if not loop_task.cancelled() else 'cancelled'}"
+            )
+        started = self.call_started
+        if started is not None and time.monotonic() - started > self.call_timeout_s:
+            ran = time.monotonic() - started
+            return f"a pipeline call has run for {ran:.0f}s (limit {self.call_timeout_s:g}s)"
+        return None

@@ -1,0 +1,89 @@
+"""What a replica sends back: step events while a call runs, and each request's result."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import torch
+
+from serve_app import metrics
+from serve_app.engine import EngineOutput
+from serve_app.engine.engine import latents_preview
+from serve_app.replica.scheduler import Job
+from serve_app.schemas import (
+    GenerationResult,
+    PreparedRequest,
+    StageMetrics,
+    StepEvent,
+    TensorPayload,
+    Trajectory,
+)
+
+
+def step_hook(batch: list[Job], loop: asyncio.AbstractEventLoop):
+    """Runs on the engine thread after every step: progress, previews, and the stop signal."""
+    t0 = time.perf_counter()
+
+    def hook(i: int, total: int, latents: torch.Tensor) -> bool:
+        start = 0
+        for job in batch:
+            n = len(job.rows)
+            job.step = i + 1
+            if job.listeners and job.state == "running":
+                preview = None
+                if job.preview_every and ((i + 1) % job.preview_every == 0 or i + 1 == total):
+                    preview = latents_preview(latents[start : start + n])
+                event = StepEvent(
+                    request_id=job.request_id,
+                    step=i + 1,
+                    total_steps=total,
+                    elapsed_ms=(time.perf_counter() - t0) * 1e3,
+                    preview_png=preview,
+                )
+                for q in job.listeners:
+                    loop.call_soon_threadsafe(q.put_nowait, event)
+            start += n
+        # Stop the call once no request in it still wants its images.
+        return all(job.state != "running" for job in batch)
+
+    return hook
+
+
+def build_result(
+    job: Job, out: EngineOutput, images: list[bytes], encode_ms: float, model: str
+) -> GenerationResult:
+    request: PreparedRequest = job.payload[0]
+    t = out.timings_ms
+    stage = StageMetrics(
+        queue_ms=(job.started - job.enqueued) * 1e3,
+        text_encode_ms=t["text_encode_ms"],
+        denoise_ms=t["denoise_ms"],
+        vae_decode_ms=t["vae_decode_ms"],
+        image_encode_ms=encode_ms,
+        total_ms=(time.perf_counter() - job.enqueued) * 1e3,
+        batch_images=out.batch_images,
+        batch_requests=out.batch_requests,
+        pipeline_calls=out.pipeline_calls,
+        steps=out.steps_run,
+    )
+    trajectory = None
+    if out.trajectory_latents is not None:
+        trajectory = Trajectory(
+            timesteps=out.trajectory_timesteps,
+            latents=[TensorPayload.from_tensor(x) for x in out.trajectory_latents],
+        )
+    metrics.observe_stages(model, stage.stage_ms())
+    return GenerationResult(
+        request_id=job.request_id,
+        model=model,
+        images=images,
+        output_format=request.output_format,
+        seeds=[r.seed for r in job.rows],
+        prompt_index=[i for i in range(len(request.prompts)) for _ in range(request.num_images)],
+        metrics=stage,
+        peak_memory_mb=out.peak_memory_mb,
+        peak_memory_kind=out.memory_kind,
+        latents=TensorPayload.from_tensor(out.latents) if out.latents is not None else None,
+        trajectory=trajectory,
+    )
