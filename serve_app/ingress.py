@@ -205,6 +205,7 @@ class DiffusionIngress:
         self._rng = random.SystemRandom()
         self.registry = Registry(self.cfg.lora.registry_path)
         self._ready_until = 0.0  # a replica said it was ready: trusted until then
+        self._probe: asyncio.Future | None = None
         # Read by access.py's middleware and route dependency through Serve's replica context.
         self.access = AccessPolicy.from_config(self.cfg.auth)
         self.max_body_bytes = self.cfg.limits.max_body_bytes
@@ -220,6 +221,13 @@ class DiffusionIngress:
         """
         if time.monotonic() < self._ready_until:
             return True
+        # One probe at a time: a burst of requests after a quiet spell waits for the same one
+        # (each probe also takes a request slot on every replica for a moment).
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(self._probe_replicas())
+        return await asyncio.shield(self._probe)
+
+    async def _probe_replicas(self) -> bool:
         try:
             answers = await self.replica.broadcast("ready").results_async(
                 timeout_s=self.cfg.ingress.ready_probe_timeout_s, return_exceptions=True

@@ -54,7 +54,7 @@ TEST_ARGS = {
 }  # fmt: skip
 
 
-def test_args(**overrides: dict) -> dict:
+def app_args(**overrides: dict) -> dict:
     """TEST_ARGS with the given sections updated (`replica={"num_replicas": 2}`); a section
     given as None is left out (its defaults apply)."""
     args = copy.deepcopy(TEST_ARGS)
@@ -82,7 +82,7 @@ def deployed(name: str, **overrides: dict):
     from ray import serve
 
     try:
-        yield deploy(name, test_args(**overrides))
+        yield deploy(name, app_args(**overrides))
     finally:
         serve.delete(name)
 
@@ -139,7 +139,7 @@ def app_factory(ray_cluster):
 
     def make(name, **overrides):
         names.append(name)
-        return deploy(name, test_args(**overrides))
+        return deploy(name, app_args(**overrides))
 
     yield make
     for n in names:

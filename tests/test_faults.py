@@ -20,7 +20,7 @@ import ray
 from ray import serve
 
 from serve_app.testing import fault_token_path
-from tests.conftest import deploy, test_args, wait_for
+from tests.conftest import app_args, deploy, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -276,7 +276,7 @@ def test_redeploy_lets_accepted_requests_finish(app_factory, base_url, client):
         )
         wait_for(lambda: status(client, prefix)["replicas"][0]["running_requests"] == 1, 30)
         deploy(
-            "drain", test_args(model={"seed": 1}, replica={"graceful_shutdown_timeout_s": 60})
+            "drain", app_args(model={"seed": 1}, replica={"graceful_shutdown_timeout_s": 60})
         )  # new weights
         r = fut.result(180)
     assert r.status_code == 200, r.text

@@ -15,7 +15,7 @@ from ray import serve
 
 from serve_app.access import ADMIN_CLOSED, AccessPolicy
 from serve_app.testing import FAIL_MARKER, OOM_MARKER
-from tests.conftest import SESSION_DIR, deploy, test_args
+from tests.conftest import SESSION_DIR, app_args, deploy
 
 GEN = "/v1/images/generations"
 ADMIN_ROUTES = (
@@ -114,7 +114,7 @@ def test_admin_policy(policy, auth, host, allowed):
 def slow_start(ray_cluster):
     """An app with the default auth settings whose replica takes seconds to load and warm up."""
     # No keys and no local opt-in: what `serve run serve_config.yaml` gives.
-    args = test_args(auth=None, model={"default_height": 128, "default_width": 128, "warmup_steps": 25})
+    args = app_args(auth=None, model={"default_height": 128, "default_width": 128, "warmup_steps": 25})
     name = "slowstart"
     seen: list[tuple[str, int, dict, dict]] = []
     stop = threading.Event()
