@@ -55,6 +55,7 @@ from serve_app.schemas import (
     LoraPin,
     LoraRef,
     ModelCard,
+    ModelDescription,
     ModelList,
     Outcome,
     PreparedRequest,
@@ -201,7 +202,7 @@ class DiffusionIngress:
     def __init__(self, replica: DeploymentHandle, config: AppConfig | dict[str, Any]):
         self.cfg = AppConfig.model_validate(config)
         self.replica = replica
-        self._model_info: dict[str, Any] | None = None
+        self._model_info: ModelDescription | None = None
         self._rng = random.SystemRandom()
         self.registry = Registry(self.cfg.lora.registry_path)
         self._ready_until = 0.0  # a replica said it was ready: trusted until then
@@ -265,12 +266,12 @@ class DiffusionIngress:
     async def models(self) -> ModelList:
         info = await self._describe()
         card = ModelCard(
-            id=info["model"],
+            id=info.model,
             created=int(time.time()),
-            source=info["source"],
-            default_height=info["default_height"],
-            default_width=info["default_width"],
-            default_steps=info["default_steps"],
+            source=info.source,
+            default_height=info.default_height,
+            default_width=info.default_width,
+            default_steps=info.default_steps,
         )
         return ModelList(data=[card])
 
@@ -367,8 +368,8 @@ class DiffusionIngress:
             request,
             request_id=_request_id(),
             seed=self._rng.randrange(MAX_SEED),
-            height=info["default_height"],
-            width=info["default_width"],
+            height=info.default_height,
+            width=info.default_width,
             steps=self.cfg.model.default_steps,
             guidance_scale=self.cfg.model.default_guidance_scale,
             lora=lora,
@@ -398,7 +399,7 @@ class DiffusionIngress:
         """Call `method` on every live replica's engine; errors are reported per replica.
 
         Only methods the engine (or its extension) exports can be called; others get a 400."""
-        allowed = (await self._describe()).get("rpc_methods", [])
+        allowed = (await self._describe()).rpc_methods
         if method not in allowed:
             raise InvalidRequest(
                 f"method: {method!r} cannot be called; allowed: {', '.join(allowed)}", param="method"
@@ -540,7 +541,7 @@ class DiffusionIngress:
         logger.exception("request %s: unexpected error", rid, exc_info=e)
         return ServingError("internal error; the server log has the details", request_id=rid)
 
-    async def _describe(self) -> dict[str, Any]:
+    async def _describe(self) -> ModelDescription:
         if self._model_info is None:
             await self._ensure_ready()
             try:

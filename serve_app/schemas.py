@@ -455,6 +455,20 @@ class RpcCall(_Wire):
     timeout: float | None = Field(None, gt=0)
 
 
+class ModelDescription(BaseModel):
+    """What a replica says of its model (the ingress's source for defaults and the RPC allow-list)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str
+    source: str
+    pipeline: str
+    default_height: int
+    default_width: int
+    default_steps: int
+    rpc_methods: list[str] = Field(default_factory=list)
+
+
 class Outcome(BaseModel):
     """One replica's answer to a call made on every replica (profiling, RPC)."""
 

@@ -48,6 +48,7 @@ from serve_app.replica.routing import report_adapters
 from serve_app.replica.scheduler import Job, Scheduler
 from serve_app.schemas import (
     GenerationResult,
+    ModelDescription,
     Outcome,
     PreparedRequest,
     ReplicaStats,
@@ -373,8 +374,8 @@ class DiffusionReplica:
 
     # ------------------------------------------------------------------ control and health
 
-    def describe(self) -> dict[str, Any]:
-        return self.engine.describe()
+    def describe(self) -> ModelDescription:
+        return ModelDescription.model_validate(self.engine.describe())
 
     def stats(self) -> ReplicaStats:
         s = self.scheduler
