@@ -25,6 +25,34 @@ from tests.conftest import app_args, deploy, wait_for
 pytestmark = pytest.mark.slow
 
 
+class Load:
+    """Closed-loop clients, each sending its next request when the last is answered, until
+    `finish()`; `outcomes` collects (status, body). `body(c, i)` is client c's i-th request."""
+
+    def __init__(self, url: str, body, clients: int = 4):
+        self.outcomes: list[tuple[int, dict]] = []
+        self._stop = threading.Event()
+
+        def run(c: int) -> None:
+            with httpx.Client(timeout=90) as http:
+                i = 0
+                while not self._stop.is_set():
+                    r = http.post(url, json=body(c, i))
+                    self.outcomes.append((r.status_code, r.json()))
+                    i += 1
+
+        self._threads = [threading.Thread(target=run, args=(c,), daemon=True) for c in range(clients)]
+        for t in self._threads:
+            t.start()
+
+    def finish(self, timeout: float = 120) -> list[tuple[int, dict]]:
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout)
+            assert not t.is_alive(), "a client is still waiting: a request hung"
+        return self.outcomes
+
+
 def status(client, prefix) -> dict:
     return client.get(f"{prefix}/v1/status").json()
 
@@ -67,21 +95,11 @@ def test_fatal_device_error_fails_over_at_once_and_loses_no_request(app_factory,
     )
     wait_for(lambda: len(replica_ids(client, prefix)) == 2, 60)
     before = replica_ids(client, prefix)
-    outcomes: list[tuple[int, dict]] = []
-    stop = threading.Event()
-
-    def clients(c: int) -> None:
-        with httpx.Client(base_url=base_url, timeout=90) as http:
-            i = 0
-            while not stop.is_set():
-                body = {"prompt": f"load {c}", "seed": c * 1000 + i, "num_inference_steps": 4}
-                r = http.post(f"{prefix}/v1/images/generations", json=body)
-                outcomes.append((r.status_code, r.json()))
-                i += 1
-
-    threads = [threading.Thread(target=clients, args=(c,), daemon=True) for c in range(4)]
-    for t in threads:
-        t.start()
+    load = Load(
+        f"{base_url}{prefix}/v1/images/generations",
+        lambda c, i: {"prompt": f"load {c}", "seed": c * 1000 + i, "num_inference_steps": 4},
+    )
+    outcomes = load.outcomes
     wait_for(lambda: len(outcomes) >= 4, 60)
     token = arm_fatal(client, prefix, "under-load")
     t0 = time.monotonic()
@@ -94,10 +112,7 @@ def test_fatal_device_error_fails_over_at_once_and_loses_no_request(app_factory,
     replaced_s = time.monotonic() - t0
     n_after = len(outcomes)
     wait_for(lambda: len(outcomes) >= n_after + 4, 60)
-    stop.set()
-    for t in threads:
-        t.join(90)
-        assert not t.is_alive(), "a client is still waiting: a request hung"
+    load.finish()
     failed = [(s, b) for s, b in outcomes if s != 200]
     retried = [b for s, b in outcomes if s == 200 and b["attempts"] > 1]
     print(
@@ -138,26 +153,16 @@ def test_killed_replicas_lose_no_request(app_factory, client, base_url):
         batching={"batch_wait_ms": 5},
     )
     wait_for(lambda: len(replica_actors(app)) == 2, 60)
-    outcomes: list[tuple[int, dict]] = []
-    stop = threading.Event()
-
-    def clients(c: int) -> None:
-        with httpx.Client(base_url=base_url, timeout=90) as http:
-            i = 0
-            while not stop.is_set():
-                body = {
-                    "prompt": f"steady {c}",
-                    "seed": c * 10_000 + i,
-                    "size": "64x64",
-                    "num_inference_steps": 8,
-                }
-                r = http.post(f"{prefix}/v1/images/generations", json=body)
-                outcomes.append((r.status_code, r.json()))
-                i += 1
-
-    threads = [threading.Thread(target=clients, args=(c,), daemon=True) for c in range(4)]
-    for t in threads:
-        t.start()
+    load = Load(
+        f"{base_url}{prefix}/v1/images/generations",
+        lambda c, i: {
+            "prompt": f"steady {c}",
+            "seed": c * 10_000 + i,
+            "size": "64x64",
+            "num_inference_steps": 8,
+        },
+    )
+    outcomes = load.outcomes
     kills = 0
     rng = random.Random(0)
     t0 = time.monotonic()
@@ -171,10 +176,7 @@ def test_killed_replicas_lose_no_request(app_factory, client, base_url):
     end = time.monotonic() + 120
     while len(outcomes) < 12 and time.monotonic() < end:
         time.sleep(0.5)
-    stop.set()
-    for t in threads:
-        t.join(120)
-        assert not t.is_alive(), "a client is still waiting: a request hung"
+    load.finish()
     elapsed = time.monotonic() - t0
 
     ok = [b for s, b in outcomes if s == 200]

@@ -47,13 +47,17 @@ def stop(r: DiffusionReplica) -> None:
 FAKE_MODEL = {"source": "builtin:tiny-sd", "default_height": 32, "default_width": 32, "default_steps": 3}
 
 
-@pytest.fixture(scope="module")
-def fake():
+def fake_replica() -> DiffusionReplica:
     """A replica around `FakeEngine`: 20 ms per step, so a call of 3 steps takes 60 ms."""
-    r = DiffusionReplica(
+    return DiffusionReplica(
         FAKE_MODEL, {"max_batch_images": 8, "batch_wait_ms": 0}, {"max_consecutive_failures": 3},
         engine_factory=lambda cfg: FakeEngine(cfg, step_s=0.02),
     )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fake():
+    r = fake_replica()
     yield r
     stop(r)
 
@@ -299,11 +303,8 @@ def test_a_request_larger_than_one_call_runs_in_calls_of_max_batch_images(replic
 
 @pytest.fixture(scope="module")
 def faulty():
-    """A replica whose `FakeEngine` is broken on purpose by the tests below."""
-    r = DiffusionReplica(
-        FAKE_MODEL, {"max_batch_images": 8, "batch_wait_ms": 0}, {"max_consecutive_failures": 3},
-        engine_factory=lambda cfg: FakeEngine(cfg, step_s=0.02),
-    )  # fmt: skip
+    """A replica of its own, whose `FakeEngine` the tests below break on purpose."""
+    r = fake_replica()
     yield r
     stop(r)
 
