@@ -177,6 +177,12 @@ def check_limits(req: GenerationParams, limits: Limits, prompts: list[str]) -> N
             raise InvalidRequest(
                 f"extra.{key}: {len(value)} items, the maximum is {limits.max_steps}", param=f"extra.{key}"
             )
+    negative = req.negative_prompt
+    if negative is not None and len(negative) > limits.max_prompt_chars:
+        raise InvalidRequest(
+            f"negative_prompt: {len(negative)} characters, the maximum is {limits.max_prompt_chars}",
+            param="negative_prompt",
+        )
     for p in prompts:
         if len(p) > limits.max_prompt_chars:
             raise InvalidRequest(
@@ -326,6 +332,8 @@ class DiffusionIngress:
         Aborted callers get an `Aborted` error (HTTP 499); a running request stops at the next
         denoising step, and the others in its pipeline call keep going.
         """
+        for rid in request_ids:
+            _check_path_id(rid)
         answers = await self._broadcast("abort", list(request_ids))
         out = {}
         for rid in request_ids:
@@ -334,6 +342,7 @@ class DiffusionIngress:
         return out
 
     async def request_status(self, request_id: str) -> RequestState:
+        _check_path_id(request_id)
         states = await self._broadcast("request_status", request_id)
         found = [st for st in states if st is not None]
         if not found:
@@ -691,6 +700,14 @@ async def _backoff(failures: list[str]) -> None:
     """Before trying another replica: a replica that is leaving answers at once, and until the
     router hears that it is gone, an immediate retry may well pick it again."""
     await asyncio.sleep(min(2.0, 0.2 * 2 ** (len(failures) - 1)))
+
+
+def _check_path_id(request_id: str) -> None:
+    if not REQUEST_ID_PATTERN.match(request_id):
+        raise InvalidRequest(
+            "request_id: must be 1-128 characters of letters, digits, '.', '_', ':' or '-'",
+            param="request_id",
+        )
 
 
 def _gave_up(failures: list[str], request_id: str) -> Unavailable:

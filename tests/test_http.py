@@ -157,6 +157,7 @@ BAD_INPUTS = [
     ({"prompt": "a", "extra": {"bogus_arg": 1}}, "extra", "takes no argument 'bogus_arg'"),
     ({"prompt": "a", "unknown_field": 1}, "unknown_field", "Extra inputs are not permitted"),
     ({"prompt": "a" * 5000}, "prompt", "the maximum is 4000"),
+    ({"prompt": "a", "negative_prompt": "n" * 5000}, "negative_prompt", "the maximum is 4000"),
 ]
 
 

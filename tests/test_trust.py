@@ -83,6 +83,18 @@ def test_a_chunked_body_over_the_limit_is_413(client):
     assert r.status_code == 413 and r.json()["error"]["type"] == "payload_too_large"
 
 
+def test_request_ids_in_paths_are_checked_and_not_echoed(client):
+    for method, path in (
+        ("GET", "/v1/requests/"),
+        ("POST", "/v1/requests/{}/abort"),
+        ("DELETE", "/v1/requests/"),
+    ):
+        url = path.format("a" * 5000) if "{}" in path else path + "a" * 5000
+        r = client.request(method, url)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "request_id", (method, r.text[:200])
+        assert "aaaaaaaaaa" not in r.text
+
+
 def test_unknown_routes_and_methods_get_the_json_error(client):
     r = client.get("/v1/nothing-here")
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
