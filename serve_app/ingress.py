@@ -213,6 +213,7 @@ class DiffusionIngress:
         self.registry = Registry(self.cfg.lora.registry_path)
         self._ready_until = 0.0  # a replica said it was ready: trusted until then
         self._probe: asyncio.Future | None = None
+        self._describing: asyncio.Future | None = None
         # Read by access.py's middleware and route dependency through Serve's replica context.
         self.access = AccessPolicy.from_config(self.cfg.auth)
         self.max_body_bytes = self.cfg.limits.max_body_bytes
@@ -551,13 +552,18 @@ class DiffusionIngress:
         return ServingError("internal error; the server log has the details", request_id=rid)
 
     async def _describe(self) -> ModelDescription:
+        """The model's description, asked once. A burst of first requests shares one question,
+        and it goes by broadcast: a control call must not take (or be refused) a request slot
+        of a replica that callers' requests are about to fill."""
         if self._model_info is None:
-            await self._ensure_ready()
-            try:
-                self._model_info = await self.replica.describe.remote()
-            except Exception as e:
-                raise (self._call_error(e, None, []) or _not_ready()) from None
+            if self._describing is None or self._describing.done():
+                self._describing = asyncio.ensure_future(self._ask_description())
+            self._model_info = await asyncio.shield(self._describing)
         return self._model_info
+
+    async def _ask_description(self) -> ModelDescription:
+        await self._ensure_ready()
+        return (await self._broadcast("describe"))[0]
 
     # ------------------------------------------------------------------ HTTP API
 
