@@ -84,7 +84,7 @@ def deployed(name: str, **overrides: dict):
     try:
         yield deploy(name, app_args(**overrides))
     finally:
-        serve.delete(name)
+        serve.delete(name, _blocking=False)  # its replicas stop while the next test runs
 
 
 def wait_for(pred, timeout: float = 60.0, interval: float = 0.05):
@@ -143,7 +143,7 @@ def app_factory(ray_cluster):
 
     yield make
     for n in names:
-        serve.delete(n)
+        serve.delete(n, _blocking=False)
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ the deployment goes through exactly the path a user takes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -81,11 +82,16 @@ def cli_cluster(tmp_path_factory):
     config_file.write_text(yaml.safe_dump(cfg))
     yield {"env": env, "dash": dash, "gcs": f"127.0.0.1:{ports['gcs']}", "config": config_file,
            "url": f"http://127.0.0.1:{ports['http']}"}  # fmt: skip
+    # `ray start --block` takes half a minute to stop its processes one by one on SIGTERM; the
+    # cluster lives in its own session and temp dir, so killing the whole group is enough.
     os.killpg(head.pid, signal.SIGTERM)
     try:
-        head.wait(60)
+        head.wait(3)
     except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(head.pid, signal.SIGKILL)
+    head.wait(30)
 
 
 def _serve(cli, *args, timeout=180):
@@ -116,7 +122,7 @@ def test_serve_run(cli_cluster):
         body = _wait_for_image(cli["url"], 180)
         assert body["model"] == "tiny-sd"
     finally:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)  # a background `serve run` ignores SIGINT
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:

@@ -52,7 +52,7 @@ def files():
 def lora_app(ray_cluster, files):
     serve.run(build_app(lora_args()), name=APP, route_prefix=P)
     yield P
-    serve.delete(APP)
+    serve.delete(APP, _blocking=False)
 
 
 def image(client, **body) -> np.ndarray:

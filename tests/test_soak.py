@@ -1,4 +1,4 @@
-"""A bounded soak: a thousand small requests, mixed sizes, some aborted, some invalid."""
+"""A bounded soak: six hundred small requests, mixed sizes, some aborted, some invalid."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tests.conftest import deployed
 
 pytestmark = pytest.mark.slow
 
-TOTAL = 1000
+TOTAL = 600
 CLIENTS = 8
 
 

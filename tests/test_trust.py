@@ -126,7 +126,7 @@ def test_admin_policy(policy, auth, host, allowed):
 def slow_start(ray_cluster):
     """An app with the default auth settings whose replica takes seconds to load and warm up."""
     # No keys and no local opt-in: what `serve run serve_config.yaml` gives.
-    args = app_args(auth=None, model={"default_height": 128, "default_width": 128, "warmup_steps": 25})
+    args = app_args(auth=None, model={"default_height": 128, "default_width": 128, "warmup_steps": 12})
     name = "slowstart"
     seen: list[tuple[str, int, dict, dict]] = []
     stop = threading.Event()
@@ -153,7 +153,7 @@ def slow_start(ray_cluster):
     yield f"/{name}", seen, stop
     stop.set()
     t.join(30)
-    serve.delete(name)
+    serve.delete(name, _blocking=False)
 
 
 def test_health_is_503_until_a_replica_is_ready_then_everything_works_at_once(slow_start, client):
