@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 BUILTIN_PREFIX = "builtin:"
 # Names accepted after `builtin:`; the builders live in serve_app/engine/builtin.py.
-BUILTIN_MODELS = ("tiny-sd", "sd15-arch", "sdxl-arch")
+BUILTIN_MODELS = ("tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-wan", "sd15-arch", "sdxl-arch")
 
 
 class _Strict(BaseModel):
@@ -59,6 +59,10 @@ class ModelConfig(_Strict):
     default_width: int | None = Field(None, ge=8, multiple_of=8)
     default_steps: int = Field(20, ge=1)
     default_guidance_scale: float = Field(7.5, ge=0)
+    default_num_frames: int | None = Field(
+        None, ge=1, description="Video models: frames per video; default: the pipeline's own default."
+    )
+    default_fps: int = Field(16, ge=1, le=120, description="Video models: frames per second of the file.")
     warmup: bool = True
     warmup_steps: int = Field(2, ge=1)
     cpu_threads: int | None = Field(
@@ -110,6 +114,7 @@ class Limits(_Strict):
     max_side: int = Field(2048, ge=8, description="Upper bound on width and on height.")
     max_steps: int = Field(100, ge=1)
     max_images: int = Field(8, ge=1, description="Upper bound on `n` (images per prompt).")
+    max_frames: int = Field(129, ge=1, description="Upper bound on `num_frames` of a video model.")
     max_prompts: int = Field(16, ge=1, description="Upper bound on prompts in one batch request.")
     max_prompt_chars: int = Field(4000, ge=1)
     max_guidance_scale: float = Field(50.0, ge=0)

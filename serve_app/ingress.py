@@ -39,8 +39,11 @@ from serve_app.errors import (
 )
 from serve_app.lora import Registry, check_adapter_file, check_name, shown_path
 from serve_app.schemas import (
+    IMAGE_FORMATS,
     MAX_SEED,
+    MEDIA_TYPES,
     REQUEST_ID_PATTERN,
+    VIDEO_FORMATS,
     AbortResponse,
     BatchGenerationRequest,
     ErrorResponse,
@@ -65,6 +68,7 @@ from serve_app.schemas import (
     RpcCall,
     StatusResponse,
     StepEvent,
+    VideosGenerationRequest,
     new_request_id,
 )
 
@@ -190,6 +194,36 @@ def check_limits(req: GenerationParams, limits: Limits, prompts: list[str]) -> N
             )
 
 
+def check_media(req: GenerationParams, info: ModelDescription, limits: Limits) -> None:
+    """What the model makes decides the output formats and whether frames and fps mean anything."""
+    fmt = req.output_format
+    if info.modality == "image":
+        for name in ("num_frames", "fps"):
+            if getattr(req, name) is not None:
+                raise InvalidRequest(f"{name}: {info.model} makes images, not videos", param=name)
+        if fmt is not None and fmt not in IMAGE_FORMATS:
+            raise InvalidRequest(
+                f"output_format: {fmt!r} is a video format; {info.model} makes images "
+                f"({', '.join(IMAGE_FORMATS)})",
+                param="output_format",
+            )
+        return
+    if fmt is not None and fmt not in VIDEO_FORMATS:
+        raise InvalidRequest(
+            f"output_format: {info.model} makes videos: {', '.join(VIDEO_FORMATS)}, not {fmt!r}",
+            param="output_format",
+        )
+    n = req.num_frames
+    a, b = info.frame_rule or (1, 0)
+    if n is not None and (n > limits.max_frames or n < b or (n - b) % a):
+        examples = ", ".join(str(a * k + b) for k in (1, 2, 3))
+        raise InvalidRequest(
+            f"num_frames: {n} does not fit {info.model}, which takes {a}k+{b} frames ({examples}, ...) "
+            f"up to {limits.max_frames}",
+            param="num_frames",
+        )
+
+
 # What a call raises when its replica died mid-request (crash, ray.kill, node loss).
 _REPLICA_GONE = (RayActorError, WorkerCrashedError, NodeDiedError)
 
@@ -276,6 +310,10 @@ class DiffusionIngress:
             id=info.model,
             created=int(time.time()),
             source=info.source,
+            family=info.family,
+            modalities=[info.modality],
+            inputs=info.inputs,
+            default_num_frames=info.default_num_frames,
             default_height=info.default_height,
             default_width=info.default_width,
             default_steps=info.default_steps,
@@ -374,6 +412,8 @@ class DiffusionIngress:
             scale = request.lora.scale if request.lora.scale is not None else entry["scale"]
             lora = LoraRef(name=request.lora.name, scale=scale, path=entry["path"])
         info = await self._describe()
+        check_media(request, info, self.cfg.limits)
+        video = info.modality == "video"
         return PreparedRequest.from_request(
             request,
             request_id=_request_id(),
@@ -382,6 +422,9 @@ class DiffusionIngress:
             width=info.default_width,
             steps=self.cfg.model.default_steps,
             guidance_scale=self.cfg.model.default_guidance_scale,
+            output_format="mp4" if video else "png",
+            num_frames=info.default_num_frames if video else None,
+            fps=info.default_fps if video else None,
             lora=lora,
         )
 
@@ -575,6 +618,21 @@ class DiffusionIngress:
     async def images_generations_batch(self, body: ImagesBatchRequest) -> Response:
         return await self._http_generate(body, body.to_generation_request)
 
+    @app.post("/v1/videos", response_model=ImagesResponse, responses=_IMAGE_RESPONSES)
+    async def videos_generations(self, body: VideosGenerationRequest) -> Response:
+        """A video model's video, answered when it is made (or streamed, like images)."""
+        info = await self._describe()
+        if info.modality != "video":
+            raise InvalidRequest(
+                f"model: {info.model} makes images; use POST /v1/images/generations", param="model"
+            )
+        if body.seconds is not None and body.num_frames is None:
+            a, b = info.frame_rule or (1, 0)
+            fps = body.fps or info.default_fps or 16
+            k = max(1, round((body.seconds * fps - b) / a))
+            body = body.model_copy(update={"num_frames": a * k + b, "fps": fps})
+        return await self._http_generate(body, body.to_generation_request)
+
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def list_models(self) -> ModelList:
         return await self.models()
@@ -673,7 +731,8 @@ def _images_response(result: GenerationResult, response_format: str) -> dict[str
     data = []
     for img, seed, idx in zip(result.images, result.seeds, result.prompt_index, strict=True):
         b64 = base64.b64encode(img).decode("ascii")
-        item = {"url": f"data:image/{fmt};base64,{b64}"} if response_format == "url" else {"b64_json": b64}
+        url = f"data:{MEDIA_TYPES[fmt]};base64,{b64}"
+        item = {"url": url} if response_format == "url" else {"b64_json": b64}
         data.append(ImageData(seed=seed, prompt_index=idx, **item))
     resp = ImagesResponse(
         created=result.created,

@@ -156,30 +156,34 @@ def make_adapter(
     from peft import LoraConfig, get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    unet = _base_unet(model)
+    prefix, denoiser = _base_denoiser(model)
     torch.manual_seed(seed)
     cfg = LoraConfig(
         r=rank, lora_alpha=rank, init_lora_weights=False, target_modules=["to_q", "to_k", "to_v", "to_out.0"]
     )
-    unet.add_adapter(cfg, adapter_name="make")
+    denoiser.add_adapter(cfg, adapter_name="make")
     try:
-        state = get_peft_model_state_dict(unet, adapter_name="make")
+        state = get_peft_model_state_dict(denoiser, adapter_name="make")
     finally:
-        unet.delete_adapters("make")
-    state = convert_state_dict_to_diffusers(state)
-    state = {f"unet.{k}": (v * strength).contiguous() for k, v in state.items()}
+        denoiser.delete_adapters("make")
+    if prefix == "unet":  # UNet adapters are shared in diffusers' key names; transformer ones in peft's
+        state = convert_state_dict_to_diffusers(state)
+    state = {f"{prefix}.{k}": (v * strength).contiguous() for k, v in state.items()}
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path))
     return path
 
 
-@functools.lru_cache(maxsize=1)
-def _base_unet(model: str):
-    """The UNet adapters are shaped for, built once per process (a full-size one takes a while)."""
+@functools.lru_cache(maxsize=2)
+def _base_denoiser(model: str):
+    """The denoiser adapters are shaped for, with its key prefix ("unet" or "transformer"),
+    built once per process (a full-size one takes a while)."""
     from serve_app.engine.builtin import build_builtin
 
-    return build_builtin(model, seed=0).unet
+    pipe = build_builtin(model, seed=0)
+    unet = getattr(pipe, "unet", None)
+    return ("unet", unet) if unet is not None else ("transformer", pipe.transformer)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -32,7 +32,11 @@ from pydantic import (
 
 from serve_app.errors import InvalidRequest
 
-OutputFormat = Literal["png", "jpeg", "webp"]
+OutputFormat = Literal["png", "jpeg", "webp", "mp4", "gif"]
+IMAGE_FORMATS = ("png", "jpeg", "webp")
+VIDEO_FORMATS = ("mp4", "webp", "gif")  # webp: animated
+MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp", "gif": "image/gif",
+               "mp4": "video/mp4"}  # fmt: skip
 MemoryKind = Literal["cuda", "cpu_rss"]
 MAX_SEED = 2**62
 REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
@@ -139,7 +143,11 @@ class GenerationParams(_Wire):
         None, ge=0, le=MAX_SEED, description="Image k of each prompt uses seed + k; default: random."
     )
     num_images: int = Field(1, ge=1, description="Images per prompt (OpenAI `n`).")
-    output_format: OutputFormat = "png"
+    output_format: OutputFormat | None = Field(
+        None, description="Default: png for an image model, mp4 for a video model (webp and gif too)."
+    )
+    num_frames: int | None = Field(None, ge=1, description="Video models: frames; default: the model's.")
+    fps: int | None = Field(None, ge=1, le=120, description="Video models: frames per second of the file.")
     return_latents: bool = False
     return_trajectory: bool = False
     request_id: RequestId = None
@@ -151,12 +159,16 @@ class GenerationRequest(GenerationParams):
     """One prompt; `num_images` images of it.
 
     Instead of text, a handle caller (an upstream language-model stage, say) may pass
-    `prompt_embeds` (and `negative_prompt_embeds`) of the shape the model's text encoder makes,
-    (1, tokens, hidden); `prompt` is then only a label.
+    `prompt_embeds` (and `negative_prompt_embeds`) of the shape the model's text encoders make,
+    (1, tokens, hidden), with `pooled_prompt_embeds` (1, width) for the families that also
+    condition on a pooled vector (SDXL, SD3, FLUX); `prompt` is then only a label.
+    `GET /v1/models` and `describe()` give the shapes.
     """
 
     prompt_embeds: TensorPayload | None = None
     negative_prompt_embeds: TensorPayload | None = None
+    pooled_prompt_embeds: TensorPayload | None = None
+    negative_pooled_prompt_embeds: TensorPayload | None = None
     prompt: str = ""  # after the embeddings, so that its check can see them
 
     @field_validator("prompt")
@@ -164,8 +176,9 @@ class GenerationRequest(GenerationParams):
     def _text_or_embeds(cls, v: str, info) -> str:
         if info.data.get("prompt_embeds") is None:
             _check_prompt(v)
-            if info.data.get("negative_prompt_embeds") is not None:
-                raise ValueError("negative_prompt_embeds needs prompt_embeds too")
+            for name in ("negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds"):
+                if info.data.get(name) is not None:
+                    raise ValueError(f"{name} needs prompt_embeds too")
         return v
 
     @property
@@ -177,6 +190,11 @@ class BatchGenerationRequest(GenerationParams):
     """Several prompts, one parameter set, one engine call, one merged result."""
 
     prompts: Prompts
+
+
+EMBEDS_FIELDS = (
+    "prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds"
+)  # fmt: skip
 
 
 class PreparedRequest(_Wire):
@@ -197,12 +215,16 @@ class PreparedRequest(_Wire):
     seed: int
     num_images: int
     output_format: OutputFormat
+    num_frames: int | None = None  # video models only, like fps
+    fps: int | None = None
     return_latents: bool = False
     return_trajectory: bool = False
     extra: dict[str, Any] = Field(default_factory=dict)
     lora: LoraRef | None = None  # with its scale and path resolved
     prompt_embeds: TensorPayload | None = None
     negative_prompt_embeds: TensorPayload | None = None
+    pooled_prompt_embeds: TensorPayload | None = None
+    negative_pooled_prompt_embeds: TensorPayload | None = None
 
     @classmethod
     def from_request(
@@ -215,6 +237,9 @@ class PreparedRequest(_Wire):
         width: int,
         steps: int,
         guidance_scale: float,
+        output_format: str = "png",
+        num_frames: int | None = None,
+        fps: int | None = None,
         lora: LoraRef | None = None,
     ) -> PreparedRequest:
         """`request` with the given values wherever it left a field to the server."""
@@ -228,13 +253,14 @@ class PreparedRequest(_Wire):
             guidance_scale=request.guidance_scale if request.guidance_scale is not None else guidance_scale,
             seed=request.seed if request.seed is not None else seed,
             num_images=request.num_images,
-            output_format=request.output_format,
+            output_format=request.output_format or output_format,
+            num_frames=request.num_frames or num_frames,
+            fps=request.fps or fps,
             return_latents=request.return_latents,
             return_trajectory=request.return_trajectory,
             extra=request.extra,
             lora=lora,
-            prompt_embeds=getattr(request, "prompt_embeds", None),
-            negative_prompt_embeds=getattr(request, "negative_prompt_embeds", None),
+            **{name: getattr(request, name, None) for name in EMBEDS_FIELDS},
         )
 
 
@@ -272,7 +298,7 @@ class GenerationResult(_Wire):
     request_id: str
     model: str
     created: int = Field(default_factory=lambda: int(time.time()))
-    images: list[B64Bytes] = Field(description="Encoded images (`output_format`).")
+    images: list[B64Bytes] = Field(description="Encoded images or videos (`output_format`).")
     output_format: OutputFormat = "png"
     seeds: list[int] = Field(description="The seed of each image.")
     prompt_index: list[int] = Field(description="Which prompt of the request each image belongs to.")
@@ -379,6 +405,14 @@ class ImagesGenerationRequest(_ImagesCommon):
         return GenerationRequest(prompt=self.prompt, **self._params())
 
 
+class VideosGenerationRequest(ImagesGenerationRequest):
+    """Body of `POST /v1/videos`: a prompt to a video model, answered when the video is made."""
+
+    seconds: float | None = Field(
+        None, gt=0, le=600, description="Length; sets `num_frames` at the model's rule and `fps`."
+    )
+
+
 class ImagesBatchRequest(_ImagesCommon):
     """Body of `POST /v1/images/generations/batch`: several prompts, one parameter set."""
 
@@ -419,9 +453,13 @@ class ModelCard(BaseModel):
     owned_by: str = "diffusion-serve"
     # Extensions
     source: str
+    family: str = Field(description="sd, sdxl, sd3, flux, wan, or the pipeline's class for others.")
+    modalities: list[Literal["image", "video"]] = Field(description="What the model makes.")
+    inputs: list[str] = Field(description="What a request may give the model.")
     default_height: int
     default_width: int
     default_steps: int
+    default_num_frames: int | None = None
 
 
 class ModelList(BaseModel):
@@ -463,6 +501,15 @@ class ModelDescription(BaseModel):
     model: str
     source: str
     pipeline: str
+    family: str = ""
+    modality: Literal["image", "video"] = "image"
+    inputs: list[str] = Field(default_factory=lambda: ["prompt", "negative_prompt"])
+    embeds_dim: int | None = None
+    embeds_tokens: int | None = None
+    pooled_dim: int | None = None
+    default_num_frames: int | None = None
+    frame_rule: tuple[int, int] | None = None  # video: frames = a * k + b
+    default_fps: int | None = None
     default_height: int
     default_width: int
     default_steps: int

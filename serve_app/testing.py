@@ -103,7 +103,7 @@ class FakeEngine:
             raise ValueError("extra: FakePipeline takes no argument 'bogus'")
         return dict(extra)
 
-    def check_embeds(self, embeds) -> None:
+    def check_embeds(self, embeds, pooled=None, which: str = "") -> None:
         pass
 
     def load_lora(self, name: str, path: str) -> None:

@@ -2,6 +2,11 @@
 
 * `tiny-sd`: a Stable-Diffusion-shaped pipeline small enough to build in well under a second
   and run on a CPU; the default model, so every layer above it is exercised for real.
+* `tiny-sdxl`, `tiny-sd3`, `tiny-flux`, `tiny-wan`: twins of the other families at the same
+  scale, each with the parts that make its family different (SDXL: two CLIP encoders, pooled
+  embeddings and size conditioning; SD3: an MMDiT transformer, two CLIP encoders and a T5;
+  FLUX: packed sequence latents, CLIP + T5 and a guidance embedding; Wan: a text-to-video
+  transformer with a 3D VAE and a UMT5 encoder).
 * `sd15-arch`, `sdxl-arch`: full-size architectures (SD 1.5: an 860M-parameter UNet, CLIP ViT-L
   text encoder, 4-channel VAE; SDXL: 2.6B UNet and two text encoders) for GPU benchmarks:
   the compute of the real model without its weights.
@@ -51,7 +56,7 @@ def _sd_scheduler():
         )
 
 
-def _vae(block_out_channels, layers_per_block, sample_size, scaling_factor=0.18215):
+def _vae(block_out_channels, layers_per_block, sample_size, scaling_factor=0.18215, shift_factor=None):
     from diffusers import AutoencoderKL
 
     n = len(block_out_channels)
@@ -63,6 +68,7 @@ def _vae(block_out_channels, layers_per_block, sample_size, scaling_factor=0.182
         layers_per_block=layers_per_block,
         sample_size=sample_size,
         scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
     )
 
 
@@ -160,7 +166,181 @@ def _sdxl_arch():
     )
 
 
-BUILDERS = {"tiny-sd": _tiny_sd, "sd15-arch": _sd15_arch, "sdxl-arch": _sdxl_arch}
+def _t5_tokenizer(model_max_length: int = 32):
+    """A T5 (sentencepiece-unigram) tokenizer over printable ASCII, built in memory."""
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -1.0)]
+    pieces += [(chr(c), -2.0) for c in range(33, 127)]
+    return T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
+
+
+def _t5(tok, d_model: int, umt5: bool = False):
+    from transformers import T5Config, T5EncoderModel, UMT5Config, UMT5EncoderModel
+
+    kw = dict(
+        vocab_size=len(tok),
+        d_model=d_model,
+        d_kv=8,
+        d_ff=37,
+        num_layers=2,
+        num_heads=4,
+        relative_attention_num_buckets=8,
+        pad_token_id=0,
+        eos_token_id=1,
+        decoder_start_token_id=0,
+    )
+    return UMT5EncoderModel(UMT5Config(**kw)) if umt5 else T5EncoderModel(T5Config(**kw))
+
+
+def _flow_scheduler(**kw):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    with torch.device("cpu"):
+        return FlowMatchEulerDiscreteScheduler(**kw)
+
+
+def _tiny_sdxl():
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+
+    tok = _tokenizer()
+    unet = UNet2DConditionModel(
+        block_out_channels=(32, 64),
+        layers_per_block=2,
+        sample_size=32,
+        in_channels=4,
+        out_channels=4,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        attention_head_dim=(2, 4),
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=8,
+        transformer_layers_per_block=(1, 2),
+        projection_class_embeddings_input_dim=6 * 8 + 32,  # six size/crop ids + the pooled text
+        cross_attention_dim=64,  # both encoders' hidden states side by side
+    )
+    with torch.device("cpu"):
+        scheduler = EulerDiscreteScheduler(
+            beta_start=0.00085,
+            beta_end=0.012,
+            beta_schedule="scaled_linear",
+            steps_offset=1,
+            timestep_spacing="leading",
+        )
+    return StableDiffusionXLPipeline(
+        vae=_vae((32, 64), 1, 64, scaling_factor=0.13025),
+        text_encoder=_clip(32, 2, 4, 37, tok),
+        text_encoder_2=_clip(32, 2, 4, 37, tok, projection_dim=32),
+        tokenizer=tok,
+        tokenizer_2=tok,
+        unet=unet,
+        scheduler=scheduler,
+    )
+
+
+def _tiny_sd3():
+    from diffusers import SD3Transformer2DModel, StableDiffusion3Pipeline
+
+    tok = _tokenizer()
+    t5tok = _t5_tokenizer()
+    return StableDiffusion3Pipeline(
+        transformer=SD3Transformer2DModel(
+            sample_size=32,
+            patch_size=2,
+            in_channels=4,
+            out_channels=4,
+            num_layers=2,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            joint_attention_dim=64,
+            caption_projection_dim=32,
+            pooled_projection_dim=64,
+            pos_embed_max_size=32,
+        ),
+        vae=_vae((32, 64), 1, 64, scaling_factor=1.5035, shift_factor=0.0609),
+        text_encoder=_clip(32, 2, 4, 37, tok, projection_dim=32),
+        text_encoder_2=_clip(32, 2, 4, 37, tok, projection_dim=32),
+        text_encoder_3=_t5(t5tok, 64),
+        tokenizer=tok,
+        tokenizer_2=tok,
+        tokenizer_3=t5tok,
+        scheduler=_flow_scheduler(shift=3.0),
+    )
+
+
+def _tiny_flux():
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    tok = _tokenizer()
+    t5tok = _t5_tokenizer()
+    pipe = FluxPipeline(
+        transformer=FluxTransformer2DModel(
+            patch_size=1,
+            in_channels=16,
+            num_layers=1,
+            num_single_layers=1,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            pooled_projection_dim=32,
+            guidance_embeds=True,
+            axes_dims_rope=(4, 4, 8),
+        ),
+        vae=_vae((32, 64), 1, 64, scaling_factor=0.3611, shift_factor=0.1159),
+        text_encoder=_clip(32, 2, 4, 37, tok),
+        text_encoder_2=_t5(t5tok, 32),
+        tokenizer=tok,
+        tokenizer_2=t5tok,
+        scheduler=_flow_scheduler(),
+    )
+    pipe.native_size = (64, 64)
+    return pipe
+
+
+def _tiny_wan():
+    from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
+
+    t5tok = _t5_tokenizer()
+    pipe = WanPipeline(
+        tokenizer=t5tok,
+        text_encoder=_t5(t5tok, 32, umt5=True),
+        transformer=WanTransformer3DModel(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=12,
+            in_channels=16,
+            out_channels=16,
+            text_dim=32,
+            freq_dim=32,
+            ffn_dim=32,
+            num_layers=2,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        ),
+        vae=AutoencoderKLWan(
+            base_dim=3,
+            z_dim=16,
+            dim_mult=[1, 1, 1, 1],
+            num_res_blocks=1,
+            temperal_downsample=[False, True, True],
+        ),
+        scheduler=_flow_scheduler(shift=3.0),
+    )
+    pipe.native_size, pipe.native_num_frames = (32, 32), 9
+    return pipe
+
+
+BUILDERS = {
+    "tiny-sd": _tiny_sd,
+    "tiny-sdxl": _tiny_sdxl,
+    "tiny-sd3": _tiny_sd3,
+    "tiny-flux": _tiny_flux,
+    "tiny-wan": _tiny_wan,
+    "sd15-arch": _sd15_arch,
+    "sdxl-arch": _sdxl_arch,
+}
 
 
 def build_builtin(name: str, *, device: str | torch.device = "cpu", seed: int = 0):
@@ -173,4 +353,7 @@ def build_builtin(name: str, *, device: str | torch.device = "cpu", seed: int = 
     torch.manual_seed(seed)
     with torch.device(device):
         pipe = BUILDERS[name]()
+    for part in pipe.components.values():  # built modules start in training mode (T5's dropout)
+        if isinstance(part, torch.nn.Module):
+            part.eval()
     return pipe

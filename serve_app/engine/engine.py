@@ -10,22 +10,20 @@ from __future__ import annotations
 
 import importlib
 import inspect
-import io
 import logging
 import os
-import struct
 import time
 import typing
-import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from serve_app.config import BUILTIN_PREFIX, ModelConfig
+from serve_app.engine.families import Family, describe_pipeline, image_latents
+from serve_app.engine.media import encode_image
 
 logger = logging.getLogger(__name__)
 
@@ -41,6 +39,8 @@ RESERVED_EXTRA_KEYS = frozenset(
         "pooled_prompt_embeds", "negative_pooled_prompt_embeds",
     }
 )  # fmt: skip
+
+MAX_EMBED_TOKENS = 1024  # the longest prompt embeddings taken where the length is free
 
 _FATAL_MARKERS = ("CUDA error", "illegal memory access", "device-side assert", "CUBLAS_STATUS", "NCCL error")
 
@@ -97,6 +97,8 @@ class Row:
     seed: int
     prompt_embeds: torch.Tensor | None = None  # (1, tokens, hidden) instead of the prompt's text
     negative_prompt_embeds: torch.Tensor | None = None
+    pooled_prompt_embeds: torch.Tensor | None = None  # (1, width), for the families that pool
+    negative_pooled_prompt_embeds: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,7 @@ class CallParams:
     lora: tuple[str, float] | None = None  # (adapter name, scale); the adapter must be loaded
     return_latents: bool = False
     return_trajectory: bool = False
+    num_frames: int | None = None  # video models only
 
 
 # Called after every denoising step with (step index, total steps, latents); returning True
@@ -120,7 +123,7 @@ StepHook = Callable[[int, int, torch.Tensor], bool | None]
 
 @dataclass
 class EngineOutput:
-    images: list[Any]  # PIL images, one per row
+    images: list[Any]  # one per row: a PIL image, or a video's PIL frames
     timings_ms: dict[str, float]
     peak_memory_mb: float
     memory_kind: str
@@ -185,7 +188,8 @@ class EngineOutput:
 
 
 def latents_preview(latents: torch.Tensor) -> bytes:
-    """A cheap look at latents mid-denoise: the first three channels, scaled, as one PNG strip.
+    """A cheap look at (batch, channels, height, width) latents mid-denoise: the first three
+    channels, scaled, as one PNG strip.
 
     No VAE call: it costs microseconds at the latents' resolution (1/8 of the image's side).
     """
@@ -306,56 +310,6 @@ def apply_optimizations(pipe, opt, device: torch.device) -> None:
         denoiser.compile()  # in place: hooks registered on the module keep working
 
 
-_PNG_COLOR_TYPES = {"L": 0, "RGB": 2, "RGBA": 6}  # 8 bits per channel
-
-
-def _png_chunk(tag: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data))
-
-
-def _png(im: Any) -> bytes:
-    """PNG with every row "Up"-filtered (one numpy subtraction) and deflate level 1.
-
-    PIL picks a filter per row by trying them all, which is most of its cost; one filter for
-    the whole image halves the time at the same size (512x512, measured on 2 cores: a smooth
-    image 5 vs 10 ms, 87 vs 85 KiB; noise, what random weights make, 19 vs 38 ms). Encoding is
-    on the serving path: a lone request waits for it after its pipeline call.
-    """
-    color = _PNG_COLOR_TYPES.get(im.mode)
-    if color is None:  # palettes, 16-bit, ...: PIL's encoder
-        buf = io.BytesIO()
-        im.save(buf, format="PNG", compress_level=1)
-        return buf.getvalue()
-    rows = np.asarray(im, dtype=np.uint8).reshape(im.height, -1)
-    filtered = np.empty((rows.shape[0], rows.shape[1] + 1), np.uint8)
-    filtered[:, 0] = 2  # filter type Up: each byte minus the byte above it, modulo 256
-    filtered[0, 1:] = rows[0]
-    np.subtract(rows[1:], rows[:-1], out=filtered[1:, 1:])
-    header = struct.pack(">IIBBBBB", im.width, im.height, 8, color, 0, 0, 0)
-    return b"".join(
-        (
-            b"\x89PNG\r\n\x1a\n",
-            _png_chunk(b"IHDR", header),
-            _png_chunk(b"IDAT", zlib.compress(filtered.tobytes(), 1)),
-            _png_chunk(b"IEND", b""),
-        )
-    )
-
-
-def encode_image(im: Any, fmt: str) -> bytes:
-    """A PIL image to bytes, quickly: it is on the serving path."""
-    if fmt == "png":
-        return _png(im)
-    buf = io.BytesIO()
-    if fmt == "jpeg":
-        im.convert("RGB").save(buf, format="JPEG", quality=90)
-    elif fmt == "webp":
-        im.save(buf, format="WEBP", quality=90)
-    else:
-        raise ValueError(f"output_format must be png, jpeg or webp, not {fmt!r}")
-    return buf.getvalue()
-
-
 class _PeakMemory:
     """Peak device memory on CUDA; on CPU the growth of the process's peak RSS during the call."""
 
@@ -421,7 +375,10 @@ class DiffusionEngine:
         apply_optimizations(self.pipe, cfg.optimizations, self.device)
         self.load_s = time.perf_counter() - t
         self._call_args = self._named_call_args()
+        self.family: Family = describe_pipeline(self.pipe, find_denoiser(self.pipe))
         self.default_height, self.default_width = self._native_size()
+        video = self.family.modality == "video"
+        self.default_num_frames = (cfg.default_num_frames or self.family.default_frames) if video else None
         self._state: _CallState | None = None
         self._active_lora: tuple | None = None
         self._hook_handle = find_denoiser(self.pipe).register_forward_pre_hook(self._on_denoiser_call)
@@ -439,12 +396,26 @@ class DiffusionEngine:
     def model_name(self) -> str:
         return self.cfg.served_name
 
+    @property
+    def video(self) -> bool:
+        return self.family.modality == "video"
+
     @exported
     def describe(self) -> dict[str, Any]:
+        fam = self.family
         return {
             "model": self.model_name,
             "source": self.cfg.source,
             "pipeline": type(self.pipe).__name__,
+            "family": fam.name,
+            "modality": fam.modality,
+            "inputs": fam.inputs(),
+            "embeds_dim": fam.embeds_dim,
+            "embeds_tokens": fam.embeds_tokens,
+            "pooled_dim": fam.pooled_dim,
+            "default_num_frames": self.default_num_frames,
+            "default_fps": self.cfg.default_fps if self.video else None,
+            "frame_rule": list(fam.frame_rule) if fam.frame_rule else None,
             "scheduler": type(self.pipe.scheduler).__name__,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
@@ -457,14 +428,21 @@ class DiffusionEngine:
         }
 
     def _native_size(self) -> tuple[int, int]:
-        scale = getattr(self.pipe, "vae_scale_factor", 8)
-        sample = getattr(self.pipe, "default_sample_size", None)
-        if sample is None:
-            sample = getattr(getattr(self.pipe, "unet", None), "config", {}).get("sample_size", 64)
-        if isinstance(sample, list | tuple):
-            sample = sample[0]
-        native = int(sample) * int(scale)
-        return self.cfg.default_height or native, self.cfg.default_width or native
+        """The configured size, else the model's: what an embedded twin says, the pipeline
+        call's own defaults (video pipelines have them), or its sample size times the VAE's scale."""
+        h, w = getattr(self.pipe, "native_size", (None, None))
+        if h is None:
+            params = inspect.signature(self.pipe.__call__).parameters
+            h, w = (getattr(params.get(k), "default", None) for k in ("height", "width"))
+        if not (isinstance(h, int) and isinstance(w, int)):
+            scale = getattr(self.pipe, "vae_scale_factor", 8)
+            sample = getattr(self.pipe, "default_sample_size", None)
+            if sample is None:
+                sample = getattr(getattr(self.pipe, "unet", None), "config", {}).get("sample_size", 64)
+            if isinstance(sample, list | tuple):
+                sample = sample[0]
+            h = w = int(sample) * int(scale)
+        return self.cfg.default_height or h, self.cfg.default_width or w
 
     def _named_call_args(self) -> dict[str, Any]:
         """The pipeline call's own arguments that `extra` may set, each with a validator of its
@@ -498,30 +476,42 @@ class DiffusionEngine:
                 else [n or "" for n in negatives],
             }
         cast = {"device": self.device, "dtype": self.dtype}
-        out = {"prompt_embeds": torch.cat([r.prompt_embeds for r in rows]).to(**cast)}
-        if all(r.negative_prompt_embeds is not None for r in rows):
-            out["negative_prompt_embeds"] = torch.cat([r.negative_prompt_embeds for r in rows]).to(**cast)
+        out = {}
+        for name in (
+            "prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds"
+        ):  # fmt: skip
+            parts = [getattr(r, name) for r in rows]
+            if all(p is not None for p in parts):
+                out[name] = torch.cat(parts).to(**cast)
         return out
 
-    def check_embeds(self, embeds: torch.Tensor) -> None:
-        """Refuse embeddings this pipeline cannot take, naming the shape it wants."""
-        params = inspect.signature(self.pipe.__call__).parameters
-        if "prompt_embeds" not in params:
-            raise ValueError(f"prompt_embeds: {type(self.pipe).__name__} takes no prompt embeddings")
-        if "pooled_prompt_embeds" in params:
-            raise ValueError(
-                f"prompt_embeds: {type(self.pipe).__name__} also needs pooled embeddings, which this API "
-                "does not carry yet; send text"
-            )
-        enc = getattr(self.pipe, "text_encoder", None)
-        tok = getattr(self.pipe, "tokenizer", None)
-        want = (
-            (1, tok.model_max_length, enc.config.hidden_size) if enc is not None and tok is not None else None
+    def check_embeds(self, embeds: torch.Tensor, pooled: torch.Tensor | None = None, which: str = "") -> None:
+        """Refuse embeddings this pipeline cannot take, naming the shapes it wants. Families whose
+        denoiser is also conditioned on a pooled text vector (SDXL, SD3, FLUX) need that too.
+        `which` is "" or "negative_": the fields' prefix in the messages."""
+        fam, pipe = self.family, type(self.pipe).__name__
+        name, pooled_name = f"{which}prompt_embeds", f"{which}pooled_prompt_embeds"
+        if fam.embeds_dim is None:
+            raise ValueError(f"{name}: {pipe} takes no prompt embeddings")
+        tokens = fam.embeds_tokens
+        want = f"(1, {tokens if tokens else 'tokens'}, {fam.embeds_dim})"
+        if fam.pooled_dim is not None:
+            want += f" with pooled_prompt_embeds (1, {fam.pooled_dim})"
+        shape = tuple(embeds.shape)
+        fits = (
+            len(shape) == 3
+            and shape[0] == 1
+            and shape[2] == fam.embeds_dim
+            and (shape[1] == tokens if tokens else 1 <= shape[1] <= MAX_EMBED_TOKENS)
         )
-        if want is not None and tuple(embeds.shape) != want:
-            raise ValueError(
-                f"prompt_embeds: shape {tuple(embeds.shape)} does not fit this model, which wants {want}"
-            )
+        if not fits:
+            raise ValueError(f"{name}: shape {shape} does not fit this model, which wants {want}")
+        if fam.pooled_dim is None:
+            if pooled is not None:
+                raise ValueError(f"{pooled_name}: {pipe} takes no pooled embeddings")
+        elif pooled is None or tuple(pooled.shape) != (1, fam.pooled_dim):
+            got = "none" if pooled is None else f"shape {tuple(pooled.shape)}"
+            raise ValueError(f"{pooled_name}: got {got}; this model wants {want}")
 
     def check_extra(self, extra: dict[str, Any]) -> dict[str, Any]:
         """`extra` checked against the pipeline call's signature: names it does not take are
@@ -648,7 +638,7 @@ class DiffusionEngine:
                 st.trajectory.append(latents.detach().float().cpu())
                 st.timesteps.append(float(t))
             last = i + 1 == total
-            if step_hook is not None and step_hook(i, total, latents):
+            if step_hook is not None and step_hook(i, total, self._viewable(latents, params)):
                 raise _StopCall
             if last:
                 if params.return_latents:
@@ -658,24 +648,30 @@ class DiffusionEngine:
             return {}
 
         self._apply_lora(params.lora)
-        text = self._text_inputs(rows)
+        fam = self.family
+        kwargs = self._text_inputs(rows)
+        if fam.count_arg:
+            kwargs[fam.count_arg] = 1
+        if self.video:
+            kwargs["num_frames"] = params.num_frames or self.default_num_frames
         generators = [torch.Generator(self.device).manual_seed(r.seed) for r in rows]
         self._state = st
         self._memory.start()
         try:
-            images = self.pipe(
-                **text,
+            out = self.pipe(
+                **kwargs,
                 height=params.height,
                 width=params.width,
                 num_inference_steps=params.steps,
                 guidance_scale=params.guidance_scale,
-                num_images_per_prompt=1,
                 generator=generators,
                 output_type="pil",
                 callback_on_step_end=on_step_end,
                 callback_on_step_end_tensor_inputs=["latents"],
                 **dict(params.extra),
-            ).images
+            )
+            made = getattr(out, fam.output_attr)
+            images = [list(v) for v in made] if self.video else list(made)
         except _StopCall:
             images = []
         except _ARGUMENT_ERRORS as e:
@@ -705,6 +701,9 @@ class DiffusionEngine:
             steps_run=st.steps_run,
             interrupted=st.steps_run < total,
         )
+
+    def _viewable(self, latents: torch.Tensor, params: CallParams) -> torch.Tensor:
+        return image_latents(self.pipe, self.family, latents, params.height, params.width)
 
     def close(self) -> None:
         self._hook_handle.remove()

@@ -20,8 +20,8 @@ class Engine(Protocol):
     def check_extra(self, extra: dict[str, Any]) -> dict[str, Any]:
         """`extra` as the pipeline will take it, or ValueError naming the argument."""
 
-    def check_embeds(self, embeds: Any) -> None:
-        """ValueError unless the pipeline takes prompt embeddings of this shape."""
+    def check_embeds(self, embeds: Any, pooled: Any = None, which: str = "") -> None:
+        """ValueError, starting with the field's name, unless the pipeline takes these embeddings."""
 
     def load_lora(self, name: str, path: str) -> None:
         """Load an adapter file under `name`, or raise LoraError saying why not."""

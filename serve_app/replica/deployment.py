@@ -32,9 +32,9 @@ from serve_app.engine import (
     LoraError,
     ModelLoadError,
     Row,
-    encode_image,
 )
 from serve_app.engine.engine import engine_class
+from serve_app.engine.media import encode_output
 from serve_app.errors import (
     InvalidRequest,
     Unavailable,
@@ -47,6 +47,7 @@ from serve_app.replica.results import build_result, step_hook
 from serve_app.replica.routing import report_adapters
 from serve_app.replica.scheduler import Job, Scheduler
 from serve_app.schemas import (
+    EMBEDS_FIELDS,
     GenerationResult,
     ModelDescription,
     Outcome,
@@ -162,14 +163,16 @@ class DiffusionReplica:
         except ValueError as e:
             raise InvalidRequest(str(e), param="extra", request_id=rid) from None
         embeds = _embeds(request)
-        for t in embeds:
-            if t is not None:
-                try:
-                    self.engine.check_embeds(t)
-                except ValueError as e:
-                    raise InvalidRequest(str(e), param="prompt_embeds", request_id=rid) from None
+        try:
+            for which in ("", "negative_"):
+                if embeds[f"{which}prompt_embeds"] is not None:
+                    self.engine.check_embeds(
+                        embeds[f"{which}prompt_embeds"], embeds[f"{which}pooled_prompt_embeds"], which
+                    )
+        except ValueError as e:  # the message starts with the field's name
+            raise InvalidRequest(str(e), param=str(e).split(":")[0], request_id=rid) from None
         rows = [
-            Row(prompt, request.negative_prompt, request.seed + k, *embeds)
+            Row(prompt, request.negative_prompt, request.seed + k, **embeds)
             for prompt in request.prompts
             for k in range(request.num_images)
         ]
@@ -182,9 +185,10 @@ class DiffusionReplica:
             lora=(request.lora.name, request.lora.scale) if request.lora else None,
             return_latents=request.return_latents,
             return_trajectory=request.return_trajectory,
+            num_frames=request.num_frames,
         )
         # SDXL treats an absent negative prompt differently from an empty one: keep them apart.
-        key = (params, request.negative_prompt is None, embeds[0] is None, embeds[1] is None)
+        key = (params, request.negative_prompt is None, *(t is None for t in embeds.values()))
         job = Job(
             request_id=rid,
             rows=rows,
@@ -213,7 +217,7 @@ class DiffusionReplica:
         request: PreparedRequest = job.payload[0]
         images = await asyncio.gather(
             *(
-                loop.run_in_executor(self._cpu_pool, encode_image, im, request.output_format)
+                loop.run_in_executor(self._cpu_pool, encode_output, im, request.output_format, request.fps)
                 for im in output.images
             )
         )
@@ -441,13 +445,15 @@ def _replica_id() -> str:
         return "local"
 
 
-def _embeds(request: PreparedRequest) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """Prompt embeddings of a handle caller, as (1, tokens, hidden) tensors."""
-    out = []
-    for payload in (request.prompt_embeds, request.negative_prompt_embeds):
+def _embeds(request: PreparedRequest) -> dict[str, torch.Tensor | None]:
+    """Prompt embeddings of a handle caller by field: (1, tokens, hidden) and pooled (1, width)."""
+    out = {}
+    for name in EMBEDS_FIELDS:
+        payload = getattr(request, name)
         t = payload.to_torch() if payload is not None else None
-        out.append(t.unsqueeze(0) if t is not None and t.dim() == 2 else t)
-    return out[0], out[1]
+        unbatched = 1 if "pooled" in name else 2
+        out[name] = t.unsqueeze(0) if t is not None and t.dim() == unbatched else t
+    return out
 
 
 def _rss_mb() -> float:
