@@ -313,6 +313,7 @@ class DiffusionIngress:
             family=info.family,
             modalities=[info.modality],
             inputs=info.inputs,
+            embeds_shapes=info.embeds_shapes(),
             default_num_frames=info.default_num_frames,
             default_height=info.default_height,
             default_width=info.default_width,

@@ -455,7 +455,10 @@ class ModelCard(BaseModel):
     source: str
     family: str = Field(description="sd, sdxl, sd3, flux, wan, or the pipeline's class for others.")
     modalities: list[Literal["image", "video"]] = Field(description="What the model makes.")
-    inputs: list[str] = Field(description="What a request may give the model.")
+    inputs: list[str] = Field(description="What a request may give the model (embeddings: handle calls).")
+    embeds_shapes: dict[str, list[int]] | None = Field(
+        None, description="Shapes of `prompt_embeds` (and `pooled_prompt_embeds`) the model takes."
+    )
     default_height: int
     default_width: int
     default_steps: int
@@ -514,6 +517,14 @@ class ModelDescription(BaseModel):
     default_width: int
     default_steps: int
     rpc_methods: list[str] = Field(default_factory=list)
+
+    def embeds_shapes(self) -> dict[str, list[int]] | None:
+        if self.embeds_dim is None:
+            return None
+        out = {"prompt_embeds": [1, self.embeds_tokens or -1, self.embeds_dim]}
+        if self.pooled_dim is not None:
+            out["pooled_prompt_embeds"] = [1, self.pooled_dim]
+        return out
 
 
 class Outcome(BaseModel):

@@ -1,0 +1,193 @@
+"""Each family's twin through the whole system: Serve, HTTP and the Python handle.
+
+The four twins are deployed once, together, beside the shared app (one app each, under its
+own route prefix). tests/test_families.py checks the engine side of the same twins.
+"""
+
+from __future__ import annotations
+
+import base64
+import concurrent.futures as cf
+import io
+import json
+
+import av
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from serve_app.lora import make_adapter
+from serve_app.schemas import GenerationRequest, TensorPayload
+from tests.conftest import ADAPTER_DIR, SESSION_DIR, app_args, wait_for
+
+TWINS = ["tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-wan"]
+FAMILY = {"tiny-sdxl": "sdxl", "tiny-sd3": "sd3", "tiny-flux": "flux", "tiny-wan": "wan"}
+
+
+def prefix(name: str) -> str:
+    return "/" + name.replace("tiny-", "fam-")
+
+
+@pytest.fixture(scope="module")
+def twins(ray_cluster, client):
+    from ray import serve
+    from ray.serve.api import RunTarget
+
+    from serve_app.app import build_app
+
+    targets = [
+        RunTarget(
+            target=build_app(
+                app_args(
+                    model={"source": f"builtin:{name}", "default_guidance_scale": 4.0},
+                    lora={"registry_path": str(SESSION_DIR / f"{name}-registry.json")},
+                )
+            ),
+            name=prefix(name)[1:],
+            route_prefix=prefix(name),
+        )
+        for name in TWINS
+    ]
+    serve.run_many(targets)
+    yield
+    for name in TWINS:
+        serve.delete(prefix(name)[1:], _blocking=False)
+
+
+def route(name: str) -> str:
+    return f"{prefix(name)}/v1/videos" if name == "tiny-wan" else f"{prefix(name)}/v1/images/generations"
+
+
+def decode(name: str, b64: str) -> np.ndarray:
+    """An image, or a video's frames stacked, as integers."""
+    raw = base64.b64decode(b64)
+    if name == "tiny-wan":
+        with av.open(io.BytesIO(raw)) as c:
+            return np.stack([f.to_ndarray(format="rgb24") for f in c.decode(video=0)]).astype(int)
+    return np.asarray(Image.open(io.BytesIO(raw)).convert("RGB")).astype(int)[None]
+
+
+def post(client, url: str, **body) -> dict:
+    r = client.post(url, json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_models_lists_the_family_and_what_it_takes(twins, client, name):
+    card = client.get(f"{prefix(name)}/v1/models").json()["data"][0]
+    assert card["family"] == FAMILY[name]
+    assert card["modalities"] == (["video"] if name == "tiny-wan" else ["image"])
+    pooled = name != "tiny-wan"
+    assert ("pooled_prompt_embeds" in card["inputs"]) is pooled
+    assert ("pooled_prompt_embeds" in card["embeds_shapes"]) is pooled
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_n_images_and_the_batch_route_keep_each_seed(twins, client, name):
+    body = {"prompt": "a red circle", "seed": 7, "n": 2, "return_latents": True}
+    one = post(client, route(name), **body)
+    a, b = (decode(name, d["b64_json"]) for d in one["data"])
+    assert a.shape[1:3] == (32, 32) and not np.array_equal(a, b)
+    if name == "tiny-wan":
+        assert a.shape[0] == 9  # the model's default frames
+    # The same prompt and seed inside a batch of prompts: the same latents (to rounding).
+    batch = post(
+        client,
+        f"{prefix(name)}/v1/images/generations/batch",
+        prompts=["something else", "a red circle"],
+        seed=7,
+        return_latents=True,
+    )
+    assert [d["prompt_index"] for d in batch["data"]] == [0, 1]
+    lat_one = TensorPayload(**one["latents"]).to_numpy()[0]
+    lat_batch = TensorPayload(**batch["latents"]).to_numpy()[1]
+    assert np.abs(lat_one - lat_batch).max() < 1e-3
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_stream_previews_decode_then_the_result(twins, client, name):
+    body = {"prompt": "streamed", "stream": True, "preview_every": 1, "num_inference_steps": 3}
+    with client.stream("POST", route(name), json=body) as r:
+        assert r.status_code == 200
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    steps = [e for e in events if e["type"] == "step"]
+    assert [e["step"] for e in steps] == [1, 2, 3] and events[-1]["type"] == "result"
+    preview = Image.open(io.BytesIO(base64.b64decode(steps[0]["preview_png"])))
+    assert preview.format == "PNG" and preview.height in (4, 16)  # 32 px over the VAE's scale
+    decode(name, events[-1]["data"][0]["b64_json"])
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_abort_mid_run(twins, client, name):
+    rid = f"abort-{name}"
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(
+            client.post, route(name), json={"prompt": "long", "num_inference_steps": 50, "request_id": rid}
+        )
+        wait_for(lambda: client.get(f"{prefix(name)}/v1/requests/{rid}").json().get("state") == "running", 60)
+        assert client.post(f"{prefix(name)}/v1/requests/{rid}/abort").json()["result"] == "aborted"
+        r = fut.result(60)
+    assert r.status_code == 499 and r.json()["error"]["type"] == "aborted"
+    assert client.get(f"{prefix(name)}/v1/requests/{rid}").json()["step"] < 50
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_prompt_embeds_on_the_handle_and_a_clear_error_for_wrong_shapes(twins, client, name):
+    from ray import serve
+
+    from serve_app.errors import InvalidRequest
+
+    shapes = client.get(f"{prefix(name)}/v1/models").json()["data"][0]["embeds_shapes"]
+    handle = serve.get_app_handle(prefix(name)[1:])
+    g = torch.Generator().manual_seed(0)
+    tensors = {k: TensorPayload.from_tensor(torch.randn(v, generator=g)) for k, v in shapes.items()}
+    result = handle.generate.remote(GenerationRequest(seed=3, **tensors)).result()
+    assert len(result.images) == 1 and result.model == name
+    wrong = TensorPayload.from_tensor(torch.randn(1, 7, 5))
+    with pytest.raises(InvalidRequest, match=r"prompt_embeds: shape \(1, 7, 5\) .* which wants") as e:
+        handle.generate.remote(GenerationRequest(**{**tensors, "prompt_embeds": wrong})).result()
+    assert e.value.param == "prompt_embeds"
+    if "pooled_prompt_embeds" in tensors:  # SDXL, SD3, FLUX need the pooled vector too
+        with pytest.raises(InvalidRequest, match=r"pooled_prompt_embeds: got none") as e:
+            handle.generate.remote(GenerationRequest(prompt_embeds=tensors["prompt_embeds"])).result()
+        assert e.value.param == "pooled_prompt_embeds"
+
+
+@pytest.mark.parametrize("name", TWINS)
+def test_an_adapter_of_the_family_over_http(twins, client, name):
+    path = make_adapter(str(ADAPTER_DIR / f"{name}-style.safetensors"), seed=5, model=name, strength=3.0)
+    r = client.post(f"{prefix(name)}/v1/loras", json={"name": "style", "path": str(path)})
+    assert r.status_code == 200, r.text
+    body = {"prompt": "a cat", "seed": 1, "output_format": "gif" if name == "tiny-wan" else "png"}
+    base = post(client, route(name), **body)["data"][0]["b64_json"]
+    styled = post(client, route(name), **body, lora={"name": "style"})["data"][0]["b64_json"]
+    off = post(client, route(name), **body, lora={"name": "style", "scale": 0})["data"][0]["b64_json"]
+    assert styled != base and off == base
+
+
+def test_video_length_formats_and_refusals(twins, client):
+    url = route("tiny-wan")
+    body = post(client, url, prompt="a boat", seconds=1, fps=8)
+    with av.open(io.BytesIO(base64.b64decode(body["data"][0]["b64_json"]))) as c:
+        stream = c.streams.video[0]
+        assert stream.codec_context.name == "h264" and stream.average_rate == 8
+        assert sum(1 for _ in c.decode(video=0)) == 9  # 1 s at 8 fps, at Wan's 4k+1 rule
+    url_form = post(client, url, prompt="a boat", num_frames=5, response_format="url")
+    assert url_form["data"][0]["url"].startswith("data:video/mp4;base64,")
+    webp = post(client, url, prompt="a boat", num_frames=5, output_format="webp")
+    assert Image.open(io.BytesIO(base64.b64decode(webp["data"][0]["b64_json"]))).n_frames == 5
+    for bad, param, words in [
+        ({"num_frames": 6}, "num_frames", "4k+1 frames (5, 9, 13, ...)"),
+        ({"num_frames": 1000}, "num_frames", "up to"),
+        ({"output_format": "png"}, "output_format", "makes videos: mp4, webp, gif"),
+        ({"fps": 0}, "fps", "greater than or equal to 1"),
+    ]:
+        r = client.post(url, json={"prompt": "a boat", **bad})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["param"] == param and words in err["message"], err
+    # An image model has no video route.
+    r = client.post(route("tiny-sdxl").replace("images/generations", "videos"), json={"prompt": "a"})
+    assert r.status_code == 400 and "makes images" in r.json()["error"]["message"]
