@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 from pathlib import Path
 
@@ -44,9 +45,37 @@ def test_presets_cover_the_model_families():
         "stable-diffusion-xl",
         "stable-diffusion-3",
         "FLUX",
+        "Wan",
         "builtin:sd15-arch",
+        "builtin:sdxl-arch",
+        "builtin:flux-arch",
     ):
         assert any(family in s for s in sources), family
+
+
+# Which family a GPU config's model belongs to, by its source.
+_FAMILY_OF_SOURCE = [("stable-diffusion-v1-5", "sd"), ("sd15-arch", "sd"), ("stable-diffusion-xl", "sdxl"),
+                     ("sdxl-arch", "sdxl"), ("stable-diffusion-3", "sd3"), ("FLUX", "flux"),
+                     ("flux-arch", "flux"), ("Wan", "wan")]  # fmt: skip
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_each_config_names_the_twin_ci_runs_for_its_family(path):
+    from serve_app.engine.builtin import build_builtin
+    from serve_app.engine.engine import find_denoiser
+    from serve_app.engine.families import describe_pipeline
+    from tests.test_families import TWINS
+
+    text = path.read_text()
+    source = AppConfig.from_args(yaml.safe_load(text)["applications"][0]["args"]).model.source
+    if source == "builtin:tiny-sd":
+        return  # the model CI runs everywhere
+    twin = re.search(r"^# CI twin: builtin:([\w-]+)", text, re.M)
+    assert twin, f"{path.name} does not name its CI twin"
+    assert twin.group(1) in [*TWINS, "tiny-sd"]
+    family = next(f for key, f in _FAMILY_OF_SOURCE if key in source)
+    pipe = build_builtin(twin.group(1))
+    assert describe_pipeline(pipe, find_denoiser(pipe)).name == family
 
 
 @pytest.mark.parametrize(

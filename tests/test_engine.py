@@ -49,6 +49,13 @@ def test_full_size_presets_have_the_real_shapes(name, unet_params_m):
     assert pipe.text_encoder.config.hidden_size == 768  # CLIP ViT-L
 
 
+def test_flux_preset_has_the_real_shapes():
+    pipe = build_builtin("flux-arch", device="meta")
+    millions = [sum(p.numel() for p in m.parameters()) / 1e6 for m in (pipe.transformer, pipe.text_encoder_2)]
+    assert millions == [pytest.approx(11901.4, abs=0.5), pytest.approx(4762.3, abs=0.5)]  # FLUX.1, T5-XXL
+    assert pipe.vae.config.latent_channels == 16 and pipe.transformer.config.guidance_embeds
+
+
 def test_same_seed_same_image_and_different_seed_differs(engine):
     a = engine.run([Row("a red cat", None, 5)], SMALL).images[0]
     b = engine.run([Row("a red cat", None, 5)], SMALL).images[0]

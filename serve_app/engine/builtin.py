@@ -7,9 +7,10 @@
   embeddings and size conditioning; SD3: an MMDiT transformer, two CLIP encoders and a T5;
   FLUX: packed sequence latents, CLIP + T5 and a guidance embedding; Wan: a text-to-video
   transformer with a 3D VAE and a UMT5 encoder).
-* `sd15-arch`, `sdxl-arch`: full-size architectures (SD 1.5: an 860M-parameter UNet, CLIP ViT-L
-  text encoder, 4-channel VAE; SDXL: 2.6B UNet and two text encoders) for GPU benchmarks:
-  the compute of the real model without its weights.
+* `sd15-arch`, `sdxl-arch`, `flux-arch`: full-size architectures (SD 1.5: an 860M-parameter
+  UNet, CLIP ViT-L text encoder, 4-channel VAE; SDXL: 2.6B UNet and two text encoders; FLUX.1:
+  11.9B transformer, CLIP ViT-L and T5-XXL, 16-channel VAE) for GPU benchmarks: the compute of
+  the real model without its weights.
 
 Same name and seed give the same weights on every replica, so images are reproducible anywhere.
 """
@@ -332,6 +333,45 @@ def _tiny_wan():
     return pipe
 
 
+def _flux_arch():
+    """FLUX.1 shapes: a 12B transformer (19 double-stream and 38 single-stream blocks),
+    CLIP ViT-L, a T5-XXL encoder and the 16-channel VAE."""
+    from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
+    from transformers import T5Config, T5EncoderModel
+
+    tok, t5tok = _tokenizer(), _t5_tokenizer(model_max_length=512)
+    t5 = T5EncoderModel(
+        T5Config(
+            vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+            feed_forward_proj="gated-gelu", dropout_rate=0.0,
+        )
+    )  # fmt: skip
+    vae = AutoencoderKL(
+        block_out_channels=[128, 256, 512, 512],
+        down_block_types=["DownEncoderBlock2D"] * 4,
+        up_block_types=["UpDecoderBlock2D"] * 4,
+        latent_channels=16,
+        layers_per_block=2,
+        sample_size=1024,
+        scaling_factor=0.3611,
+        shift_factor=0.1159,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+    return FluxPipeline(
+        transformer=FluxTransformer2DModel(guidance_embeds=True),  # its defaults are FLUX.1's shapes
+        vae=vae,
+        text_encoder=_clip(768, 12, 12, 3072, tok, vocab_size=49408),
+        text_encoder_2=t5,
+        tokenizer=tok,
+        tokenizer_2=t5tok,
+        scheduler=_flow_scheduler(
+            base_image_seq_len=256, max_image_seq_len=4096, base_shift=0.5, max_shift=1.15,
+            use_dynamic_shifting=True, shift=3.0,
+        ),
+    )  # fmt: skip
+
+
 BUILDERS = {
     "tiny-sd": _tiny_sd,
     "tiny-sdxl": _tiny_sdxl,
@@ -340,6 +380,7 @@ BUILDERS = {
     "tiny-wan": _tiny_wan,
     "sd15-arch": _sd15_arch,
     "sdxl-arch": _sdxl_arch,
+    "flux-arch": _flux_arch,
 }
 
 
