@@ -145,7 +145,7 @@ def test_abort_unknown_or_finished_is_a_no_op_that_says_so(client):
 
 def test_abort_one_request_of_a_shared_pipeline_call_leaves_the_other(client, base_url):
     keep, drop = rid("keep"), rid("drop")
-    body = {"prompt": "shared", "size": "128x128", "num_inference_steps": 12, "seed": 5}
+    body = {"prompt": "shared", "size": "96x96", "num_inference_steps": 12, "seed": 5}
     a = Background(base_url, {**body, "request_id": keep})
     b = Background(base_url, {**body, "prompt": "dropped", "request_id": drop})
     wait_for(lambda: (s := state(client, keep)) and s["state"] == "running" and s["step"] >= 1)

@@ -29,6 +29,14 @@ def scenario() -> dict:
     from serve_app.app import build_app
     from tests.conftest import TEST_ARGS, free_port
 
+    phases = {}
+    t_phase = time.monotonic()
+
+    def phase(name: str) -> None:
+        nonlocal t_phase
+        phases[name] = round(time.monotonic() - t_phase, 1)
+        t_phase = time.monotonic()
+
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 0, "resources": {"ingress": 1}, "include_dashboard": False},
@@ -43,7 +51,9 @@ def scenario() -> dict:
                     "health_check_period_s": 1},
         "ingress": {**TEST_ARGS["ingress"], "resources": {"ingress": 0.1}, "max_attempts": 4},
     }  # fmt: skip
+    phase("cluster")
     serve.run(build_app(args), name="multi", route_prefix="/")
+    phase("deploy")
     url = f"http://127.0.0.1:{port}"
     http = httpx.Client(base_url=url, timeout=120)
     before = http.get("/v1/status").json()["replicas"]
@@ -64,7 +74,7 @@ def scenario() -> dict:
     threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(3)]
     for t in threads:
         t.start()
-    time.sleep(4)
+    time.sleep(2)
     lost = workers[0].unique_id
     t_remove = time.monotonic()
     cluster.remove_node(workers[0])
@@ -80,16 +90,19 @@ def scenario() -> dict:
             break
         time.sleep(1)
     recovered_s = time.monotonic() - t_remove
-    time.sleep(3)
+    phase("traffic_and_recovery")
+    time.sleep(1.5)
     stop.set()
     hung = 0
     for t in threads:
         t.join(150)
         hung += t.is_alive()
-    serve.shutdown()
-    ray.shutdown()
+    phase("clients_done")
+    ray.shutdown()  # the cluster goes whole: no need for Serve's own orderly shutdown first
     cluster.shutdown()
+    phase("shutdown")
     return {
+        "phases_s": phases,
         "nodes_before": nodes_before,
         "nodes_after": sorted(r["node_id"] for r in after),
         "lost_node": lost,
@@ -115,7 +128,7 @@ def test_replicas_spread_and_survive_node_loss(tmp_path):
     ok = codes.count(200)
     print(f"\nmulti-node: replicas on {len(set(res['nodes_before']))} nodes; node lost, replicas back on "
           f"2 nodes after {res['recovered_s']}s; {len(codes)} requests, {ok} ok ({res['retried']} retried), "
-          f"{len(codes) - ok} errors, {res['hung']} hung")  # fmt: skip
+          f"{len(codes) - ok} errors, {res['hung']} hung; seconds by phase {res['phases_s']}")  # fmt: skip
     assert len(set(res["nodes_before"])) == 2, "the two replicas did not land on two nodes"
     assert res["lost_node"] not in res["nodes_after"] and len(set(res["nodes_after"])) == 2
     assert res["hung"] == 0

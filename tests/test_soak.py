@@ -1,4 +1,4 @@
-"""A bounded soak: six hundred small requests, mixed sizes, some aborted, some invalid."""
+"""A bounded soak: four hundred small requests, mixed sizes, some aborted, some invalid."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from tests.conftest import deployed
 
 pytestmark = pytest.mark.slow
 
-TOTAL = 600
+TOTAL = 400
 CLIENTS = 8
 
 

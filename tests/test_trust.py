@@ -126,7 +126,7 @@ def test_admin_policy(policy, auth, host, allowed):
 def slow_start(ray_cluster):
     """An app with the default auth settings whose replica takes seconds to load and warm up."""
     # No keys and no local opt-in: what `serve run serve_config.yaml` gives.
-    args = app_args(auth=None, model={"default_height": 128, "default_width": 128, "warmup_steps": 12})
+    args = app_args(auth=None, model={"default_height": 128, "default_width": 128, "warmup_steps": 8})
     name = "slowstart"
     seen: list[tuple[str, int, dict, dict]] = []
     stop = threading.Event()
