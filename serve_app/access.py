@@ -146,7 +146,10 @@ class BodyLimit:
         self.max_bytes = max_bytes
 
     def _limit(self, scope) -> int | None:
-        return getattr(_servable(), "max_body_bytes", None) or self.max_bytes
+        servable = _servable()
+        if scope.get("path", "").endswith("/v1/images/edits"):  # the route whose bodies carry images
+            return getattr(servable, "max_upload_bytes", None) or self.max_bytes
+        return getattr(servable, "max_body_bytes", None) or self.max_bytes
 
     async def __call__(self, scope, receive, send):
         limit = self._limit(scope) if scope["type"] == "http" else None

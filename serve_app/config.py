@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 BUILTIN_PREFIX = "builtin:"
 # Names accepted after `builtin:`; the builders live in serve_app/engine/builtin.py.
 BUILTIN_MODELS = (
-    "tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-wan", "sd15-arch", "sdxl-arch", "flux-arch"
+    "tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-flux-kontext", "tiny-wan",
+    "sd15-arch", "sdxl-arch", "flux-arch",
 )  # fmt: skip
 
 
@@ -122,6 +123,12 @@ class Limits(_Strict):
     max_guidance_scale: float = Field(50.0, ge=0)
     max_body_bytes: int = Field(
         1024 * 1024, ge=1024, description="HTTP request bodies above this get 413 before they are parsed."
+    )
+    max_upload_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, description="The same bound for edit requests, which carry images."
+    )
+    max_input_pixels: int = Field(
+        4096 * 4096, ge=64, description="Upper bound on an input image's pixels, read from its header."
     )
 
 

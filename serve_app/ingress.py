@@ -8,6 +8,7 @@ and no torch here.
 
 import asyncio
 import base64
+import json
 import logging
 import random
 import re
@@ -37,6 +38,7 @@ from serve_app.errors import (
     ServingError,
     Unavailable,
 )
+from serve_app.inputs import prepare_inputs
 from serve_app.lora import Registry, check_adapter_file, check_name, shown_path
 from serve_app.schemas import (
     IMAGE_FORMATS,
@@ -52,6 +54,7 @@ from serve_app.schemas import (
     GenerationResult,
     ImageData,
     ImagesBatchRequest,
+    ImagesEditRequest,
     ImagesGenerationRequest,
     ImagesResponse,
     LoraAdd,
@@ -61,6 +64,7 @@ from serve_app.schemas import (
     ModelDescription,
     ModelList,
     Outcome,
+    PixelPayload,
     PreparedRequest,
     ProfileStart,
     ReplicaStats,
@@ -125,7 +129,26 @@ def make_app() -> FastAPI:
         (Exception, _unexpected),
     ):
         fastapi_app.add_exception_handler(exc_type, handler)
+    _document(fastapi_app, ImagesEditRequest)
     return fastapi_app
+
+
+def _document(fastapi_app: FastAPI, *models) -> None:
+    """Add the schemas of bodies a route reads itself (the edit route's form or JSON) to the
+    OpenAPI document's components, where the routes' `$ref`s point."""
+    make = fastapi_app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if fastapi_app.openapi_schema is None:
+            doc = make()
+            schemas = doc.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                schemas.update(schema.pop("$defs", {}))
+                schemas[model.__name__] = schema
+        return fastapi_app.openapi_schema
+
+    fastapi_app.openapi = openapi
 
 
 app = make_app()
@@ -194,6 +217,68 @@ def check_limits(req: GenerationParams, limits: Limits, prompts: list[str]) -> N
             )
 
 
+def edit_task(req: GenerationRequest | BatchGenerationRequest, info: ModelDescription) -> str:
+    """Which task an image request is for this model: inpainting with a mask, else the model's
+    own instruction edit if it is an edit model, else image-to-image."""
+    if req.mask is not None:
+        if "inpaint" not in info.tasks:
+            raise InvalidRequest(f"mask: {info.model} ({info.pipeline}) cannot inpaint", param="mask")
+        return "inpaint"
+    task = "edit" if "edit" in info.tasks else "img2img"
+    if task not in info.tasks:
+        raise InvalidRequest(f"image: {info.model} ({info.pipeline}) takes no input image", param="image")
+    if task == "edit" and req.strength is not None:
+        raise InvalidRequest(
+            f"strength: {info.model} edits by instruction and takes no strength", param="strength"
+        )
+    return task
+
+
+_FORM_FILES = ("image", "image[]", "mask")
+_FORM_JSON = ("extra", "lora")  # fields that are objects: JSON text inside a form
+
+
+async def read_edit_body(request: Request) -> dict[str, Any]:
+    """An edit request's fields from a multipart form or a JSON body."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        try:
+            form = await request.form(max_files=4, max_fields=64)
+        except Exception as e:  # a malformed form: starlette raises several types
+            why = type(e).__name__
+            raise InvalidRequest(f"body: not a readable multipart form ({why})", param="body") from None
+        out: dict[str, Any] = {}
+        images = []
+        for key, value in form.multi_items():
+            data = await value.read() if hasattr(value, "read") else value
+            if key in ("image", "image[]"):
+                images.append(data)
+            elif key in out:
+                raise InvalidRequest(f"{key}: given more than once", param=key)
+            elif key in _FORM_JSON and isinstance(data, str):
+                try:
+                    out[key] = json.loads(data)
+                except ValueError:
+                    raise InvalidRequest(f"{key}: a JSON object in a form field", param=key) from None
+            else:
+                out[key] = data
+        if images:
+            out["image"] = images
+        return out
+    if ctype in ("application/json", ""):
+        try:
+            body = await request.json()
+        except ValueError:
+            raise InvalidRequest("body: not valid JSON", param="body") from None
+        if not isinstance(body, dict):
+            raise InvalidRequest("body: must be a JSON object", param="body")
+        return body
+    raise InvalidRequest(
+        f"body: content-type {ctype!r} is not taken; send multipart/form-data or application/json",
+        param="body",
+    )
+
+
 def check_media(req: GenerationParams, info: ModelDescription, limits: Limits) -> None:
     """What the model makes decides the output formats and whether frames and fps mean anything."""
     fmt = req.output_format
@@ -251,6 +336,7 @@ class DiffusionIngress:
         # Read by access.py's middleware and route dependency through Serve's replica context.
         self.access = AccessPolicy.from_config(self.cfg.auth)
         self.max_body_bytes = self.cfg.limits.max_body_bytes
+        self.max_upload_bytes = self.cfg.limits.max_upload_bytes
 
     # ------------------------------------------------------------------ readiness
 
@@ -312,6 +398,7 @@ class DiffusionIngress:
             source=info.source,
             family=info.family,
             modalities=[info.modality],
+            tasks=info.tasks,
             inputs=info.inputs,
             embeds_shapes=info.embeds_shapes(),
             default_num_frames=info.default_num_frames,
@@ -415,6 +502,17 @@ class DiffusionIngress:
         info = await self._describe()
         check_media(request, info, self.cfg.limits)
         video = info.modality == "video"
+        task, image, mask = "generate", None, None
+        if request.image is not None:
+            task = edit_task(request, info)
+            rgb, m, width, height = await asyncio.to_thread(
+                prepare_inputs, request.image, request.mask, request.width, request.height, self.cfg.limits
+            )
+            request = request.model_copy(update={"width": width, "height": height})
+            check_limits(request, self.cfg.limits, request.prompts)  # the size it took from the image
+            image, mask = PixelPayload.from_pil(rgb), PixelPayload.from_pil(m) if m is not None else None
+        elif request.strength is not None:
+            raise InvalidRequest("strength: only an edit (with an image) takes it", param="strength")
         return PreparedRequest.from_request(
             request,
             request_id=_request_id(),
@@ -427,6 +525,9 @@ class DiffusionIngress:
             num_frames=info.default_num_frames if video else None,
             fps=info.default_fps if video else None,
             lora=lora,
+            task=task,
+            image=image,
+            mask=mask,
         )
 
     def _replica_for(self, request) -> DeploymentHandle:
@@ -618,6 +719,24 @@ class DiffusionIngress:
     @app.post("/v1/images/generations/batch", response_model=ImagesResponse, responses=_IMAGE_RESPONSES)
     async def images_generations_batch(self, body: ImagesBatchRequest) -> Response:
         return await self._http_generate(body, body.to_generation_request)
+
+    @app.post(
+        "/v1/images/edits",
+        response_model=ImagesResponse,
+        responses=_IMAGE_RESPONSES,
+        openapi_extra={"requestBody": {"required": True, "content": {
+            kind: {"schema": {"$ref": "#/components/schemas/ImagesEditRequest"}}
+            for kind in ("multipart/form-data", "application/json")
+        }}},
+    )  # fmt: skip
+    async def images_edits(self, request: Request) -> Response:
+        """OpenAI `images.edit`: an image (and a mask) and a prompt, as a form or as JSON."""
+        body = await read_edit_body(request)
+        try:
+            edit = ImagesEditRequest.model_validate(body)
+        except ValueError as e:  # pydantic ValidationError is a ValueError
+            raise validation_to_error(e.errors()) from None
+        return await self._http_generate(edit, edit.to_generation_request)
 
     @app.post("/v1/videos", response_model=ImagesResponse, responses=_IMAGE_RESPONSES)
     async def videos_generations(self, body: VideosGenerationRequest) -> Response:

@@ -28,6 +28,7 @@ from pydantic import (
     Field,
     PlainSerializer,
     field_validator,
+    model_validator,
 )
 
 from serve_app.errors import InvalidRequest
@@ -113,6 +114,66 @@ class TensorPayload(_Wire):
         return torch.from_numpy(self.to_numpy().copy())
 
 
+class PixelPayload(_Wire):
+    """A decoded image as raw 8-bit pixels: what the ingress hands a replica after it has checked
+    and fitted an input image (the replica never decodes a caller's file)."""
+
+    width: int
+    height: int
+    mode: Literal["RGB", "L"]
+    data: B64Bytes
+
+    @classmethod
+    def from_pil(cls, im: Any) -> PixelPayload:
+        return cls(width=im.width, height=im.height, mode=im.mode, data=im.tobytes())
+
+    def to_pil(self) -> Any:
+        from PIL import Image
+
+        return Image.frombytes(self.mode, (self.width, self.height), self.data)
+
+
+def _image_bytes(v: Any) -> Any:
+    """An input image as the bytes of an image file, from what a caller may hand over: bytes,
+    base64 text or a `data:` URL, a PIL image, or a `TensorPayload` (channels first or last,
+    values in 0..1 or 0..255). The file itself is checked where it is decoded (the ingress)."""
+    if isinstance(v, bytes | bytearray):
+        return bytes(v)
+    if isinstance(v, str):
+        text = v.split(",", 1)[1] if v.startswith("data:") and "," in v else v
+        try:
+            return base64.b64decode(text, validate=True)
+        except ValueError:
+            raise ValueError("must be base64 or a data: URL of an image file") from None
+    if isinstance(v, dict) and {"shape", "dtype", "data"} <= set(v):
+        v = TensorPayload.model_validate(v)
+    if isinstance(v, TensorPayload):
+        import numpy as np
+        from PIL import Image
+
+        arr = v.to_numpy()
+        if arr.ndim == 3 and arr.shape[0] in (1, 3, 4) and arr.shape[-1] not in (1, 3, 4):
+            arr = np.moveaxis(arr, 0, -1)
+        if arr.ndim not in (2, 3):
+            raise ValueError(f"a tensor image must be (H, W), (H, W, C) or (C, H, W), not {tuple(arr.shape)}")
+        if arr.dtype != np.uint8:
+            scale = 255.0 if float(np.nanmax(arr, initial=0)) <= 1.0 else 1.0
+            arr = np.clip(np.nan_to_num(arr) * scale, 0, 255).round().astype(np.uint8)
+        v = Image.fromarray(arr.squeeze(-1) if arr.ndim == 3 and arr.shape[-1] == 1 else arr)
+    if hasattr(v, "save") and hasattr(v, "size"):  # a PIL image
+        buf = io.BytesIO()
+        v.save(buf, format="PNG", compress_level=1)
+        return buf.getvalue()
+    raise ValueError("must be image file bytes, base64 or a data: URL, a PIL image or a TensorPayload")
+
+
+InputImage = Annotated[
+    bytes,
+    BeforeValidator(_image_bytes),
+    PlainSerializer(lambda b: base64.b64encode(b).decode("ascii"), return_type=str, when_used="json"),
+]
+
+
 class Trajectory(_Wire):
     """Latents after every denoising step, with the timestep of each."""
 
@@ -147,6 +208,9 @@ class GenerationParams(_Wire):
         None, description="Default: png for an image model, mp4 for a video model (webp and gif too)."
     )
     num_frames: int | None = Field(None, ge=1, description="Video models: frames; default: the model's.")
+    strength: float | None = Field(
+        None, gt=0, le=1, description="Edits (image-to-image, inpainting): how much of the input to repaint."
+    )
     fps: int | None = Field(None, ge=1, le=120, description="Video models: frames per second of the file.")
     return_latents: bool = False
     return_trajectory: bool = False
@@ -155,7 +219,21 @@ class GenerationParams(_Wire):
     lora: LoraRef | None = None
 
 
-class GenerationRequest(GenerationParams):
+class _ImageInputs(_Wire):
+    """An input image, for image-to-image and instruction edits, and a mask for inpainting
+    (white, or transparent in an image with alpha, where to paint). Sizes default to the image's."""
+
+    image: InputImage | None = Field(None, description="The image to edit.")
+    mask: InputImage | None = Field(None, description="Where to paint: transparent (alpha) or white.")
+
+    @model_validator(mode="after")
+    def _mask_needs_image(self):
+        if self.mask is not None and self.image is None:
+            raise ValueError("mask needs an image to paint into")
+        return self
+
+
+class GenerationRequest(_ImageInputs, GenerationParams):
     """One prompt; `num_images` images of it.
 
     Instead of text, a handle caller (an upstream language-model stage, say) may pass
@@ -186,7 +264,7 @@ class GenerationRequest(GenerationParams):
         return [self.prompt]
 
 
-class BatchGenerationRequest(GenerationParams):
+class BatchGenerationRequest(_ImageInputs, GenerationParams):
     """Several prompts, one parameter set, one engine call, one merged result."""
 
     prompts: Prompts
@@ -217,6 +295,10 @@ class PreparedRequest(_Wire):
     output_format: OutputFormat
     num_frames: int | None = None  # video models only, like fps
     fps: int | None = None
+    task: Literal["generate", "img2img", "inpaint", "edit"] = "generate"
+    strength: float | None = None
+    image: PixelPayload | None = None  # decoded and fitted to width x height by the ingress
+    mask: PixelPayload | None = None  # "L", the same size
     return_latents: bool = False
     return_trajectory: bool = False
     extra: dict[str, Any] = Field(default_factory=dict)
@@ -241,6 +323,9 @@ class PreparedRequest(_Wire):
         num_frames: int | None = None,
         fps: int | None = None,
         lora: LoraRef | None = None,
+        task: str = "generate",
+        image: PixelPayload | None = None,
+        mask: PixelPayload | None = None,
     ) -> PreparedRequest:
         """`request` with the given values wherever it left a field to the server."""
         return cls(
@@ -256,6 +341,10 @@ class PreparedRequest(_Wire):
             output_format=request.output_format or output_format,
             num_frames=request.num_frames or num_frames,
             fps=request.fps or fps,
+            task=task,
+            strength=request.strength,
+            image=image,
+            mask=mask,
             return_latents=request.return_latents,
             return_trajectory=request.return_trajectory,
             extra=request.extra,
@@ -405,6 +494,32 @@ class ImagesGenerationRequest(_ImagesCommon):
         return GenerationRequest(prompt=self.prompt, **self._params())
 
 
+class ImagesEditRequest(_ImagesCommon):
+    """Body of `POST /v1/images/edits`, as a multipart form (files `image` or `image[]` and `mask`)
+    or as JSON (the images as base64 or `data:` URLs). A mask makes it an inpainting; without
+    one, an edit model (FLUX.1 Kontext) edits by the prompt and other models remake the image
+    (image-to-image, `strength`)."""
+
+    prompt: Prompt
+    image: list[InputImage] = Field(min_length=1, description="The image to edit (one).")
+    mask: InputImage | None = Field(None, description="Where to paint: transparent (alpha) or white.")
+    # OpenAI edit fields accepted for compatibility and ignored by diffusion models
+    input_fidelity: str | None = None
+    partial_images: int | None = Field(None, ge=0, le=3)
+
+    @field_validator("image", mode="before")
+    @classmethod
+    def _one_or_more(cls, v: Any) -> Any:
+        return v if isinstance(v, list) else [v]
+
+    def to_generation_request(self) -> GenerationRequest:
+        if len(self.image) > 1:
+            raise InvalidRequest(
+                f"image: {len(self.image)} images; an edit here takes one image", param="image"
+            )
+        return GenerationRequest(prompt=self.prompt, image=self.image[0], mask=self.mask, **self._params())
+
+
 class VideosGenerationRequest(ImagesGenerationRequest):
     """Body of `POST /v1/videos`: a prompt to a video model, answered when the video is made."""
 
@@ -455,6 +570,7 @@ class ModelCard(BaseModel):
     source: str
     family: str = Field(description="sd, sdxl, sd3, flux, wan, or the pipeline's class for others.")
     modalities: list[Literal["image", "video"]] = Field(description="What the model makes.")
+    tasks: list[str] = Field(description="generate, and the edits it does: img2img, inpaint, edit.")
     inputs: list[str] = Field(description="What a request may give the model (embeddings: handle calls).")
     embeds_shapes: dict[str, list[int]] | None = Field(
         None, description="Shapes of `prompt_embeds` (and `pooled_prompt_embeds`) the model takes."
@@ -506,6 +622,7 @@ class ModelDescription(BaseModel):
     pipeline: str
     family: str = ""
     modality: Literal["image", "video"] = "image"
+    tasks: list[str] = Field(default_factory=lambda: ["generate"])
     inputs: list[str] = Field(default_factory=lambda: ["prompt", "negative_prompt"])
     embeds_dim: int | None = None
     embeds_tokens: int | None = None

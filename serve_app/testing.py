@@ -98,7 +98,7 @@ class FakeEngine:
                 "default_height": self.default_height, "default_width": self.default_width,
                 "default_steps": self.cfg.default_steps, "rpc_methods": rpc_methods(self)}  # fmt: skip
 
-    def check_extra(self, extra: dict) -> dict:
+    def check_extra(self, extra: dict, task: str = "generate") -> dict:
         if "bogus" in extra:
             raise ValueError("extra: FakePipeline takes no argument 'bogus'")
         return dict(extra)

@@ -6,7 +6,8 @@
   scale, each with the parts that make its family different (SDXL: two CLIP encoders, pooled
   embeddings and size conditioning; SD3: an MMDiT transformer, two CLIP encoders and a T5;
   FLUX: packed sequence latents, CLIP + T5 and a guidance embedding; Wan: a text-to-video
-  transformer with a 3D VAE and a UMT5 encoder).
+  transformer with a 3D VAE and a UMT5 encoder). `tiny-flux-kontext` is the FLUX twin in the
+  instruction-edit pipeline of FLUX.1 Kontext.
 * `sd15-arch`, `sdxl-arch`, `flux-arch`: full-size architectures (SD 1.5: an 860M-parameter
   UNet, CLIP ViT-L text encoder, 4-channel VAE; SDXL: 2.6B UNet and two text encoders; FLUX.1:
   11.9B transformer, CLIP ViT-L and T5-XXL, 16-channel VAE) for GPU benchmarks: the compute of
@@ -299,6 +300,17 @@ def _tiny_flux():
     return pipe
 
 
+def _tiny_flux_kontext():
+    """FLUX.1 Kontext-shaped: the FLUX twin's modules in the instruction-edit pipeline, which
+    puts the reference image's tokens beside the ones it denoises."""
+    from diffusers import FluxKontextPipeline
+
+    flux = _tiny_flux()
+    pipe = FluxKontextPipeline(**flux.components)
+    pipe.native_size = flux.native_size
+    return pipe
+
+
 def _tiny_wan():
     from diffusers import AutoencoderKLWan, WanPipeline, WanTransformer3DModel
 
@@ -377,6 +389,7 @@ BUILDERS = {
     "tiny-sdxl": _tiny_sdxl,
     "tiny-sd3": _tiny_sd3,
     "tiny-flux": _tiny_flux,
+    "tiny-flux-kontext": _tiny_flux_kontext,
     "tiny-wan": _tiny_wan,
     "sd15-arch": _sd15_arch,
     "sdxl-arch": _sdxl_arch,

@@ -36,9 +36,15 @@ RESERVED_EXTRA_KEYS = frozenset(
         "height", "width", "num_inference_steps", "guidance_scale", "generator", "num_images_per_prompt",
         "output_type", "return_dict", "callback_on_step_end", "callback_on_step_end_tensor_inputs",
         "callback", "callback_steps", "latents", "prompt_embeds", "negative_prompt_embeds",
-        "pooled_prompt_embeds", "negative_pooled_prompt_embeds",
+        "pooled_prompt_embeds", "negative_pooled_prompt_embeds", "image", "mask_image", "strength",
+        "num_frames", "num_videos_per_prompt", "_auto_resize", "max_area",
     }
 )  # fmt: skip
+
+# What a request may ask of a model: text to image (or video), an image remade from an input
+# image (`strength` of noise), an inpainting of its masked part, or an instruction edit
+# (reference images and a prompt, by a model trained for it such as FLUX.1 Kontext).
+TASKS = ("generate", "img2img", "inpaint", "edit")
 
 MAX_EMBED_TOKENS = 1024  # the longest prompt embeddings taken where the length is free
 
@@ -99,6 +105,8 @@ class Row:
     negative_prompt_embeds: torch.Tensor | None = None
     pooled_prompt_embeds: torch.Tensor | None = None  # (1, width), for the families that pool
     negative_pooled_prompt_embeds: torch.Tensor | None = None
+    image: Any = None  # the input image (PIL, RGB) of img2img, inpaint and edit rows
+    mask: Any = None  # inpaint: PIL "L", white where to paint
 
 
 @dataclass(frozen=True)
@@ -114,6 +122,8 @@ class CallParams:
     return_latents: bool = False
     return_trajectory: bool = False
     num_frames: int | None = None  # video models only
+    task: str = "generate"  # one of TASKS
+    strength: float | None = None  # img2img and inpaint: how much of the input is noised away
 
 
 # Called after every denoising step with (step index, total steps, latents); returning True
@@ -374,7 +384,8 @@ class DiffusionEngine:
         self.pipe.set_progress_bar_config(disable=True)
         apply_optimizations(self.pipe, cfg.optimizations, self.device)
         self.load_s = time.perf_counter() - t
-        self._call_args = self._named_call_args()
+        self._task_pipes = self._derived_pipelines()
+        self._call_args = {task: self._named_call_args(p) for task, p in self._task_pipes.items()}
         self.family: Family = describe_pipeline(self.pipe, find_denoiser(self.pipe))
         self.default_height, self.default_width = self._native_size()
         video = self.family.modality == "video"
@@ -409,7 +420,10 @@ class DiffusionEngine:
             "pipeline": type(self.pipe).__name__,
             "family": fam.name,
             "modality": fam.modality,
-            "inputs": fam.inputs(),
+            "tasks": self.tasks,
+            "inputs": fam.inputs()
+            + (["image"] if {"img2img", "edit"} & set(self.tasks) else [])
+            + (["mask"] if "inpaint" in self.tasks else []),
             "embeds_dim": fam.embeds_dim,
             "embeds_tokens": fam.embeds_tokens,
             "pooled_dim": fam.pooled_dim,
@@ -444,14 +458,40 @@ class DiffusionEngine:
             h = w = int(sample) * int(scale)
         return self.cfg.default_height or h, self.cfg.default_width or w
 
-    def _named_call_args(self) -> dict[str, Any]:
+    @property
+    def tasks(self) -> list[str]:
+        return [t for t in TASKS if t in self._task_pipes]
+
+    def _derived_pipelines(self) -> dict[str, Any]:
+        """The pipeline of each task this model can do, all sharing the loaded modules (diffusers'
+        `from_pipe`: no second copy of any weight). A pipeline that takes an image itself (an
+        instruction-edit model) does its edits; others get image-to-image and inpainting."""
+        from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting
+
+        out = {"generate": self.pipe}
+        if "image" in inspect.signature(self.pipe.__call__).parameters:
+            out["edit"] = self.pipe
+        for task, auto in (("img2img", AutoPipelineForImage2Image), ("inpaint", AutoPipelineForInpainting)):
+            if task == "img2img" and "edit" in out:
+                continue
+            try:
+                derived = auto.from_pipe(self.pipe)
+            except Exception:  # no such pipeline for this family in diffusers
+                continue
+            if "image" not in inspect.signature(derived.__call__).parameters:  # e.g. video-to-video
+                continue
+            derived.set_progress_bar_config(disable=True)
+            out[task] = derived
+        return out
+
+    def _named_call_args(self, pipe) -> dict[str, Any]:
         """The pipeline call's own arguments that `extra` may set, each with a validator of its
         annotated type (None where the annotation says nothing checkable)."""
         from pydantic import ConfigDict, TypeAdapter
 
-        params = inspect.signature(self.pipe.__call__).parameters
+        params = inspect.signature(pipe.__call__).parameters
         try:
-            hints = typing.get_type_hints(type(self.pipe).__call__)
+            hints = typing.get_type_hints(type(pipe).__call__)
         except Exception:  # an annotation that does not resolve: names only
             hints = {}
         config = ConfigDict(arbitrary_types_allowed=True, allow_inf_nan=False)
@@ -513,22 +553,29 @@ class DiffusionEngine:
             got = "none" if pooled is None else f"shape {tuple(pooled.shape)}"
             raise ValueError(f"{pooled_name}: got {got}; this model wants {want}")
 
-    def check_extra(self, extra: dict[str, Any]) -> dict[str, Any]:
-        """`extra` checked against the pipeline call's signature: names it does not take are
-        refused (diffusers would drop them silently), and each value must fit the argument's
-        annotated type. Returns the values as the pipeline will get them ("0.3" -> 0.3)."""
+    def check_task(self, task: str) -> None:
+        if task not in self._task_pipes:
+            can = ", ".join(self.tasks)
+            raise ValueError(f"{type(self.pipe).__name__} cannot do {task}; this model does: {can}")
+
+    def check_extra(self, extra: dict[str, Any], task: str = "generate") -> dict[str, Any]:
+        """`extra` checked against the signature of the task's pipeline call: names it does not
+        take are refused (diffusers would drop them silently), and each value must fit the
+        argument's annotated type. Returns the values as the pipeline will get them ("0.3" -> 0.3)."""
         reserved = sorted(RESERVED_EXTRA_KEYS.intersection(extra))
         if reserved:
             raise ValueError(f"extra: may not set {', '.join(reserved)}: use the request's own fields")
-        unknown = sorted(set(extra) - set(self._call_args))
+        self.check_task(task)
+        args, pipe = self._call_args[task], type(self._task_pipes[task]).__name__
+        unknown = sorted(set(extra) - set(args))
         if unknown:
             raise ValueError(
-                f"extra: {type(self.pipe).__name__} takes no argument {', '.join(map(repr, unknown))}; "
-                f"it takes: {', '.join(sorted(self._call_args))}"
+                f"extra: {pipe} takes no argument {', '.join(map(repr, unknown))}; "
+                f"it takes: {', '.join(sorted(args))}"
             )
         out = {}
         for name, value in extra.items():
-            adapter = self._call_args[name]
+            adapter = args[name]
             if adapter is None:
                 out[name] = value
                 continue
@@ -632,6 +679,9 @@ class DiffusionEngine:
         total = params.steps
 
         def on_step_end(pipe, i, t, kwargs):
+            # An image-to-image call runs only the last `strength` of the schedule.
+            nonlocal total
+            total = getattr(pipe, "num_timesteps", None) or total
             latents = kwargs["latents"]
             st.steps_run = i + 1
             if params.return_trajectory:
@@ -649,7 +699,12 @@ class DiffusionEngine:
 
         self._apply_lora(params.lora)
         fam = self.family
+        pipe = self._task_pipes[params.task]
         kwargs = self._text_inputs(rows)
+        if params.task != "generate":
+            kwargs.update(self._image_inputs(rows, params, pipe))
+        if "max_area" in inspect.signature(pipe.__call__).parameters:  # Kontext scales sizes to it
+            kwargs["max_area"] = params.height * params.width
         if fam.count_arg:
             kwargs[fam.count_arg] = 1
         if self.video:
@@ -658,7 +713,7 @@ class DiffusionEngine:
         self._state = st
         self._memory.start()
         try:
-            out = self.pipe(
+            out = pipe(
                 **kwargs,
                 height=params.height,
                 width=params.width,
@@ -701,6 +756,18 @@ class DiffusionEngine:
             steps_run=st.steps_run,
             interrupted=st.steps_run < total,
         )
+
+    @staticmethod
+    def _image_inputs(rows: Sequence[Row], params: CallParams, pipe) -> dict[str, Any]:
+        accepts = inspect.signature(pipe.__call__).parameters
+        out: dict[str, Any] = {"image": [r.image for r in rows]}
+        if params.task == "inpaint":
+            out["mask_image"] = [r.mask for r in rows]
+        if params.strength is not None and "strength" in accepts:
+            out["strength"] = params.strength
+        if "_auto_resize" in accepts:  # Kontext would resize inputs to ~1 MP; the sizes are ours
+            out["_auto_resize"] = False
+        return out
 
     def _viewable(self, latents: torch.Tensor, params: CallParams) -> torch.Tensor:
         return image_latents(self.pipe, self.family, latents, params.height, params.width)

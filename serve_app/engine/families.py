@@ -22,6 +22,7 @@ _LABELS = {
     "StableDiffusionXLPipeline": "sdxl",
     "StableDiffusion3Pipeline": "sd3",
     "FluxPipeline": "flux",
+    "FluxKontextPipeline": "flux",
     "WanPipeline": "wan",
 }
 

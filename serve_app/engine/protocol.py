@@ -17,7 +17,7 @@ class Engine(Protocol):
     def run(self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None = None) -> EngineOutput:
         """One pipeline call over `rows` that share `params`; raises what the pipeline raises."""
 
-    def check_extra(self, extra: dict[str, Any]) -> dict[str, Any]:
+    def check_extra(self, extra: dict[str, Any], task: str = "generate") -> dict[str, Any]:
         """`extra` as the pipeline will take it, or ValueError naming the argument."""
 
     def check_embeds(self, embeds: Any, pooled: Any = None, which: str = "") -> None:

@@ -159,7 +159,7 @@ class DiffusionReplica:
         if self.health.fatal:
             raise self.health.lost(rid)
         try:
-            extra = self.engine.check_extra(request.extra)
+            extra = self.engine.check_extra(request.extra, request.task)
         except ValueError as e:
             raise InvalidRequest(str(e), param="extra", request_id=rid) from None
         embeds = _embeds(request)
@@ -171,8 +171,10 @@ class DiffusionReplica:
                     )
         except ValueError as e:  # the message starts with the field's name
             raise InvalidRequest(str(e), param=str(e).split(":")[0], request_id=rid) from None
+        image = request.image.to_pil() if request.image is not None else None
+        mask = request.mask.to_pil() if request.mask is not None else None
         rows = [
-            Row(prompt, request.negative_prompt, request.seed + k, **embeds)
+            Row(prompt, request.negative_prompt, request.seed + k, **embeds, image=image, mask=mask)
             for prompt in request.prompts
             for k in range(request.num_images)
         ]
@@ -186,6 +188,8 @@ class DiffusionReplica:
             return_latents=request.return_latents,
             return_trajectory=request.return_trajectory,
             num_frames=request.num_frames,
+            task=request.task,
+            strength=request.strength,
         )
         # SDXL treats an absent negative prompt differently from an empty one: keep them apart.
         key = (params, request.negative_prompt is None, *(t is None for t in embeds.values()))
