@@ -78,7 +78,7 @@ def _progress(step: int, total: int, started: float) -> None:
     sys.stderr.flush()
 
 
-def cmd_generate(c: Client, a: argparse.Namespace) -> None:
+def _body(a: argparse.Namespace) -> dict[str, Any]:
     body: dict[str, Any] = {"prompt": a.prompt, "n": a.n, "stream": True, "output_format": a.format}
     for key, value in (("size", a.size), ("num_inference_steps", a.steps), ("seed", a.seed),
                        ("guidance_scale", a.guidance), ("negative_prompt", a.negative)):  # fmt: skip
@@ -87,9 +87,35 @@ def cmd_generate(c: Client, a: argparse.Namespace) -> None:
     if a.lora:
         name, _, scale = a.lora.partition(":")
         body["lora"] = {"name": name, **({"scale": float(scale)} if scale else {})}
+    return body
+
+
+def _read_file(path: str, what: str) -> str:
+    try:
+        with open(path, "rb") as f:
+            return base64.b64encode(f.read()).decode("ascii")
+    except OSError as e:
+        raise ClientError(f"cannot read the {what} {path!r}: {e.strerror}") from None
+
+
+def cmd_generate(c: Client, a: argparse.Namespace) -> None:
+    _make(c, a, "/v1/images/generations", _body(a))
+
+
+def cmd_edit(c: Client, a: argparse.Namespace) -> None:
+    body = {**_body(a), "image": _read_file(a.image, "image")}
+    if a.mask:
+        body["mask"] = _read_file(a.mask, "mask")
+    if a.strength is not None:
+        body["strength"] = a.strength
+    _make(c, a, "/v1/images/edits", body)
+
+
+def _make(c: Client, a: argparse.Namespace, path: str, body: dict[str, Any]) -> None:
+    """Send a generation or an edit as a stream: a progress bar, then the files."""
     started = time.monotonic()
     result = None
-    for event in c.stream("/v1/images/generations", body):
+    for event in c.stream(path, body):
         if event["type"] == "step":
             if not a.quiet:
                 _progress(event["step"], event["total_steps"], started)
@@ -150,17 +176,23 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--api-key", default=os.environ.get("DIFFUSION_API_KEY"))
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="make an image, with a progress bar")
+    e = sub.add_parser("edit", help="edit an image (image-to-image, or inpaint with --mask)")
+    e.add_argument("image", help="the image file to edit")
     g.add_argument("prompt")
-    g.add_argument("-o", "--output", default="out.png")
-    g.add_argument("--steps", type=int)
-    g.add_argument("--seed", type=int)
-    g.add_argument("--size", help="WIDTHxHEIGHT")
-    g.add_argument("--guidance", type=float)
-    g.add_argument("--negative")
-    g.add_argument("-n", type=int, default=1)
-    g.add_argument("--format", default="png", choices=["png", "jpeg", "webp"])
-    g.add_argument("--lora", help="NAME or NAME:SCALE")
-    g.add_argument("-q", "--quiet", action="store_true")
+    e.add_argument("prompt")
+    e.add_argument("--mask", help="where to paint: transparent (alpha) or white pixels")
+    e.add_argument("--strength", type=float, help="how much to repaint, in (0, 1]")
+    for p in (g, e):
+        p.add_argument("-o", "--output", default="out.png")
+        p.add_argument("--steps", type=int)
+        p.add_argument("--seed", type=int)
+        p.add_argument("--size", help="WIDTHxHEIGHT (an edit: default the image's)")
+        p.add_argument("--guidance", type=float)
+        p.add_argument("--negative")
+        p.add_argument("-n", type=int, default=1)
+        p.add_argument("--format", default="png", choices=["png", "jpeg", "webp"])
+        p.add_argument("--lora", help="NAME or NAME:SCALE")
+        p.add_argument("-q", "--quiet", action="store_true")
     lo = sub.add_parser("lora", help="manage LoRA adapters")
     lsub = lo.add_subparsers(dest="lora_cmd", required=True)
     add = lsub.add_parser("add")
@@ -182,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     c = Client(a.url, a.api_key)
     try:
-        {"generate": cmd_generate, "lora": cmd_lora, "status": cmd_status}[a.cmd](c, a)
+        {"generate": cmd_generate, "edit": cmd_edit, "lora": cmd_lora, "status": cmd_status}[a.cmd](c, a)
     except ClientError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -30,6 +30,23 @@ def test_generate_with_progress_bar_writes_the_image(base_url, tmp_path):
     assert r.returncode == 0 and (tmp_path / "two-0.png").exists() and (tmp_path / "two-1.png").exists()
 
 
+def test_edit_and_inpaint_an_image_file(base_url, tmp_path):
+    src, mask = tmp_path / "in.png", tmp_path / "mask.png"
+    Image.new("RGB", (48, 40), (200, 30, 30)).save(src)
+    m = Image.new("RGBA", (48, 40), (0, 0, 0, 255))
+    m.paste((0, 0, 0, 0), (0, 0, 24, 40))
+    m.save(mask)
+    out = tmp_path / "edited.png"
+    r = run("edit", str(src), "blue", "-o", str(out), "--steps", "4", "--strength", "0.5", url=base_url)
+    assert r.returncode == 0, r.stderr
+    assert "2/2 steps" in r.stderr and Image.open(out).size == (48, 40)  # half of 4 steps, its size
+    inpainted = tmp_path / "inpaint.png"
+    r = run("edit", str(src), "a cat", "--mask", str(mask), "-o", str(inpainted), "-q", url=base_url)
+    assert r.returncode == 0, r.stderr
+    r = run("edit", str(tmp_path / "missing.png"), "x", url=base_url)
+    assert r.returncode == 1 and "cannot read the image" in r.stderr and "Traceback" not in r.stderr
+
+
 def test_status_and_lora_list(base_url):
     r = run("status", url=base_url)
     assert r.returncode == 0 and "healthy" in r.stdout and "model tiny-sd" in r.stdout
