@@ -184,10 +184,27 @@ class Trajectory(_Wire):
 # --------------------------------------------------------------------------- Python API
 
 
+_LORA_ALIASES = {"lora_name": "name", "adapter": "name", "lora_scale": "scale", "lora_path": "path",
+                 "local_path": "path"}  # fmt: skip
+
+
 class LoraRef(_Wire):
-    """Apply a registered adapter to this request only."""
+    """Apply a registered adapter to this request only. vLLM-Omni's names for the same fields
+    (`lora_name`, `adapter`, `lora_scale`, `lora_path`, `local_path`, `int_id`) are taken too."""
 
     name: str = Field(min_length=1, max_length=64)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, v: Any) -> Any:
+        if not isinstance(v, dict):
+            return v
+        out = {k: x for k, x in v.items() if k not in _LORA_ALIASES and k not in ("int_id", "lora_int_id")}
+        for alias, field in _LORA_ALIASES.items():
+            if alias in v and field not in out:
+                out[field] = v[alias]
+        return out
+
     scale: float | None = Field(None, ge=-10, le=10, description="Default: the adapter's registered scale.")
     path: str | None = Field(None, description="Filled in by the server from the registry; ignored if sent.")
 
@@ -211,6 +228,15 @@ class GenerationParams(_Wire):
     strength: float | None = Field(
         None, gt=0, le=1, description="Edits (image-to-image, inpainting): how much of the input to repaint."
     )
+    # vLLM-Omni's extension fields, so that its clients work unchanged
+    true_cfg_scale: float | None = Field(
+        None, ge=0, le=50, description="True classifier-free guidance, for the pipelines that have it (FLUX)."
+    )
+    generator_device: Literal["cpu", "cuda"] | None = Field(
+        None, description="Where seeded noise is drawn; default the model's device. `cpu` matches CPU runs."
+    )
+    vae_use_slicing: bool = Field(False, description="Decode a batch one image at a time (less memory).")
+    vae_use_tiling: bool = Field(False, description="Decode in tiles (less memory for large images).")
     fps: int | None = Field(None, ge=1, le=120, description="Video models: frames per second of the file.")
     return_latents: bool = False
     return_trajectory: bool = False
@@ -297,6 +323,10 @@ class PreparedRequest(_Wire):
     fps: int | None = None
     task: Literal["generate", "img2img", "inpaint", "edit"] = "generate"
     strength: float | None = None
+    true_cfg_scale: float | None = None
+    generator_device: str | None = None
+    vae_use_slicing: bool = False
+    vae_use_tiling: bool = False
     image: PixelPayload | None = None  # decoded and fitted to width x height by the ingress
     mask: PixelPayload | None = None  # "L", the same size
     return_latents: bool = False
@@ -343,6 +373,10 @@ class PreparedRequest(_Wire):
             fps=request.fps or fps,
             task=task,
             strength=request.strength,
+            true_cfg_scale=request.true_cfg_scale,
+            generator_device=request.generator_device,
+            vae_use_slicing=request.vae_use_slicing,
+            vae_use_tiling=request.vae_use_tiling,
             image=image,
             mask=mask,
             return_latents=request.return_latents,

@@ -106,6 +106,12 @@ class FakeEngine:
     def check_embeds(self, embeds, pooled=None, which: str = "") -> None:
         pass
 
+    def takes(self, argument: str, task: str = "generate") -> bool:
+        return False
+
+    def check_options(self, generator_device, vae_slicing: bool, vae_tiling: bool) -> None:
+        pass
+
     def load_lora(self, name: str, path: str) -> None:
         self.loras.add(name)
 

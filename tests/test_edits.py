@@ -237,3 +237,58 @@ def test_an_instruction_edit_model_over_http(kontext, client):
     mask = [("image", up(picture())), ("mask", up(picture()))]
     r = form(client, mask, kontext, prompt="x")
     assert r.status_code == 400 and r.json()["error"]["param"] == "mask"
+
+
+# What vLLM-Omni's clients send (its documented ImageGenerationRequest / ImageEditRequest fields).
+VLLM_OMNI_GENERATION = {
+    "prompt": "a cat wearing a tiara",
+    "model": None,
+    "n": 1,
+    "size": "32x32",
+    "response_format": "b64_json",
+    "user": None,
+    "negative_prompt": "blurry",
+    "num_inference_steps": 4,
+    "guidance_scale": 5.0,
+    "seed": 42,
+    "generator_device": "cpu",
+    "lora": None,
+    "vae_use_slicing": False,
+    "vae_use_tiling": False,
+}
+
+
+def test_requests_shaped_as_vllm_omni_documents_them(client):
+    r = client.post("/v1/images/generations", json=VLLM_OMNI_GENERATION)
+    assert r.status_code == 200, r.text
+    omni_only = ("generator_device", "vae_use_slicing", "vae_use_tiling", "lora", "user")
+    plain = {k: v for k, v in VLLM_OMNI_GENERATION.items() if k not in omni_only}
+    same = client.post("/v1/images/generations", json=plain)
+    assert same.json()["data"][0]["b64_json"] == r.json()["data"][0]["b64_json"]  # cpu is this model's device
+    # The VAE options are honoured for the call (slicing and tiling decode the same image here).
+    tiled = client.post("/v1/images/generations", json={**VLLM_OMNI_GENERATION, "vae_use_tiling": True,
+                                                         "vae_use_slicing": True})  # fmt: skip
+    assert tiled.status_code == 200, tiled.text
+    # vLLM-Omni's adapter names (lora_name, lora_scale, int_id) and its edit form fields.
+    from serve_app.lora import make_adapter
+
+    path = make_adapter(str(ADAPTER_DIR / "omni.safetensors"), seed=11)
+    assert client.post("/v1/loras", json={"name": "omni", "path": str(path)}).status_code == 200
+    try:
+        lora = {"lora_name": "omni", "lora_scale": 0.5, "int_id": 7}
+        r = client.post("/v1/images/generations", json={**VLLM_OMNI_GENERATION, "lora": lora})
+        assert r.status_code == 200, r.text
+        assert r.json()["data"][0]["b64_json"] != same.json()["data"][0]["b64_json"]
+        fields = {k: v for k, v in VLLM_OMNI_GENERATION.items() if v is not None and k != "size"}
+        fields["lora"] = json.dumps(lora)
+        e = form(client, {"image": up(picture(32))}, **fields)
+        assert e.status_code == 200, e.text
+    finally:
+        client.delete("/v1/loras/omni")
+    # Where this model cannot honour a field, a 400 names it.
+    for bad, param in (
+        ({"true_cfg_scale": 4.0}, "true_cfg_scale"),
+        ({"generator_device": "cuda"}, "generator_device"),
+    ):
+        r = client.post("/v1/images/generations", json={**VLLM_OMNI_GENERATION, **bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

@@ -191,3 +191,13 @@ def test_video_length_formats_and_refusals(twins, client):
     # An image model has no video route.
     r = client.post(route("tiny-sdxl").replace("images/generations", "videos"), json={"prompt": "a"})
     assert r.status_code == 400 and "makes images" in r.json()["error"]["message"]
+
+
+def test_true_cfg_scale_where_the_pipeline_has_it(twins, client):
+    body = {"prompt": "a red circle", "negative_prompt": "blue", "seed": 2, "return_latents": True}
+    plain = post(client, route("tiny-flux"), **body)
+    true_cfg = post(client, route("tiny-flux"), **body, true_cfg_scale=4.0)  # FLUX runs the negative too
+    a, b = (TensorPayload(**x["latents"]).to_numpy() for x in (plain, true_cfg))
+    assert np.abs(a - b).mean() > 1e-4
+    r = client.post(route("tiny-sdxl"), json={**body, "true_cfg_scale": 4.0})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "true_cfg_scale"

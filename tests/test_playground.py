@@ -70,3 +70,27 @@ def test_cancel_aborts_a_long_generation(page, base_url, client):
     page.wait_for_function("document.getElementById('status').textContent === 'aborted'", timeout=30_000)
     assert page.is_hidden("#result")
     assert page.text_content("#error") == ""
+
+
+def test_edit_an_uploaded_image_with_a_mask(page, base_url, tmp_path):
+    from PIL import Image
+
+    src, mask = tmp_path / "photo.png", tmp_path / "mask.png"
+    Image.new("RGB", (48, 40), (30, 120, 200)).save(src)
+    m = Image.new("RGBA", (48, 40), (0, 0, 0, 255))
+    m.paste((0, 0, 0, 0), (0, 0, 24, 40))
+    m.save(mask)
+    page.goto(base_url + "/")
+    page.fill("#prompt", "paint a boat on the left")
+    page.fill("#steps", "8")
+    page.fill("#size", "")
+    page.set_input_files("#image", str(src))
+    page.set_input_files("#mask", str(mask))
+    page.fill("#strength", "0.5")
+    page.click("#generate")
+    page.wait_for_function("!document.getElementById('result').hidden", timeout=60_000)
+    assert page.eval_on_selector("#bar", "b => [b.value, b.max]") == [4, 4]  # half of 8 steps
+    natural = "i => i.decode().then(() => [i.naturalWidth, i.naturalHeight])"
+    size = page.eval_on_selector("#result", natural)
+    assert size == [48, 40]  # an edit keeps the image's size
+    assert page.text_content("#error") == ""

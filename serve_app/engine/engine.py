@@ -124,6 +124,9 @@ class CallParams:
     num_frames: int | None = None  # video models only
     task: str = "generate"  # one of TASKS
     strength: float | None = None  # img2img and inpaint: how much of the input is noised away
+    generator_device: str | None = None  # where seeded noise is drawn; default the engine's device
+    vae_slicing: bool = False  # for this call, whatever the model's setting
+    vae_tiling: bool = False
 
 
 # Called after every denoising step with (step index, total steps, latents); returning True
@@ -553,6 +556,37 @@ class DiffusionEngine:
             got = "none" if pooled is None else f"shape {tuple(pooled.shape)}"
             raise ValueError(f"{pooled_name}: got {got}; this model wants {want}")
 
+    def takes(self, argument: str, task: str = "generate") -> bool:
+        """Whether the task's pipeline call has this argument."""
+        return argument in self._call_args.get(task, {})
+
+    def check_options(self, generator_device: str | None, vae_slicing: bool, vae_tiling: bool) -> None:
+        """Refuse per-call options this engine cannot honour; the message starts with the field."""
+        here = self.device.type
+        if generator_device not in (None, "cpu", here):
+            raise ValueError(f"generator_device: this model runs on {here}; use cpu or {here}")
+        vae = getattr(self.pipe, "vae", None)
+        for name, flag, method in (("vae_use_slicing", vae_slicing, "enable_slicing"),
+                                   ("vae_use_tiling", vae_tiling, "enable_tiling")):  # fmt: skip
+            if flag and not hasattr(vae, method):
+                raise ValueError(f"{name}: the VAE of {type(self.pipe).__name__} cannot do this")
+
+    def _vae_modes(self, params: CallParams):
+        """Turn on the VAE modes this call asks for and the model lacks; returns the undo."""
+        vae, undo = getattr(self.pipe, "vae", None), []
+        modes = ((params.vae_slicing, "use_slicing", "enable_slicing", "disable_slicing"),
+                 (params.vae_tiling, "use_tiling", "enable_tiling", "disable_tiling"))  # fmt: skip
+        for flag, attr, on, off in modes:
+            if flag and not getattr(vae, attr, False) and hasattr(vae, on):
+                getattr(vae, on)()
+                undo.append(getattr(vae, off))
+
+        def restore() -> None:
+            for fn in undo:
+                fn()
+
+        return restore
+
     def check_task(self, task: str) -> None:
         if task not in self._task_pipes:
             can = ", ".join(self.tasks)
@@ -709,7 +743,9 @@ class DiffusionEngine:
             kwargs[fam.count_arg] = 1
         if self.video:
             kwargs["num_frames"] = params.num_frames or self.default_num_frames
-        generators = [torch.Generator(self.device).manual_seed(r.seed) for r in rows]
+        gen_device = params.generator_device or self.device
+        generators = [torch.Generator(gen_device).manual_seed(r.seed) for r in rows]
+        restore = self._vae_modes(params)
         self._state = st
         self._memory.start()
         try:
@@ -736,6 +772,7 @@ class DiffusionEngine:
             raise
         finally:
             self._state = None
+            restore()
         end = time.perf_counter()
         start = st.denoise_start or st.t0
         denoise_end = st.denoise_end or end

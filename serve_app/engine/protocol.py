@@ -23,6 +23,12 @@ class Engine(Protocol):
     def check_embeds(self, embeds: Any, pooled: Any = None, which: str = "") -> None:
         """ValueError, starting with the field's name, unless the pipeline takes these embeddings."""
 
+    def takes(self, argument: str, task: str = "generate") -> bool:
+        """Whether the task's pipeline call has this argument."""
+
+    def check_options(self, generator_device: str | None, vae_slicing: bool, vae_tiling: bool) -> None:
+        """ValueError, starting with the field's name, for per-call options it cannot honour."""
+
     def load_lora(self, name: str, path: str) -> None:
         """Load an adapter file under `name`, or raise LoraError saying why not."""
 

@@ -162,6 +162,19 @@ class DiffusionReplica:
             extra = self.engine.check_extra(request.extra, request.task)
         except ValueError as e:
             raise InvalidRequest(str(e), param="extra", request_id=rid) from None
+        if request.true_cfg_scale is not None:  # vLLM-Omni's field, for the pipelines that have it
+            if not self.engine.takes("true_cfg_scale", request.task):
+                raise InvalidRequest(
+                    "true_cfg_scale: this model has no true classifier-free guidance; use guidance_scale",
+                    param="true_cfg_scale",
+                    request_id=rid,
+                )
+            extra["true_cfg_scale"] = request.true_cfg_scale
+        try:
+            r = request
+            self.engine.check_options(r.generator_device, r.vae_use_slicing, r.vae_use_tiling)
+        except ValueError as e:  # the message starts with the field's name
+            raise InvalidRequest(str(e), param=str(e).split(":")[0], request_id=rid) from None
         embeds = _embeds(request)
         try:
             for which in ("", "negative_"):
@@ -190,6 +203,9 @@ class DiffusionReplica:
             num_frames=request.num_frames,
             task=request.task,
             strength=request.strength,
+            generator_device=request.generator_device,
+            vae_slicing=request.vae_use_slicing,
+            vae_tiling=request.vae_use_tiling,
         )
         # SDXL treats an absent negative prompt differently from an empty one: keep them apart.
         key = (params, request.negative_prompt is None, *(t is None for t in embeds.values()))
