@@ -84,9 +84,15 @@ def _body(a: argparse.Namespace) -> dict[str, Any]:
                        ("guidance_scale", a.guidance), ("negative_prompt", a.negative)):  # fmt: skip
         if value is not None:
             body[key] = value
-    if a.lora:
-        name, _, scale = a.lora.partition(":")
-        body["lora"] = {"name": name, **({"scale": float(scale)} if scale else {})}
+    loras = []
+    for spec in a.lora or []:
+        name, _, scale = spec.partition(":")
+        try:
+            loras.append({"name": name, **({"scale": float(scale)} if scale else {})})
+        except ValueError:
+            raise ClientError(f"--lora {spec!r}: the scale after ':' must be a number") from None
+    if loras:
+        body["loras"] = loras
     return body
 
 
@@ -191,7 +197,7 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--negative")
         p.add_argument("-n", type=int, default=1)
         p.add_argument("--format", default="png", choices=["png", "jpeg", "webp"])
-        p.add_argument("--lora", help="NAME or NAME:SCALE")
+        p.add_argument("--lora", action="append", help="NAME or NAME:SCALE; repeat to stack adapters")
         p.add_argument("-q", "--quiet", action="store_true")
     lo = sub.add_parser("lora", help="manage LoRA adapters")
     lsub = lo.add_subparsers(dest="lora_cmd", required=True)

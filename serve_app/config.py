@@ -265,6 +265,16 @@ class LoraConfig(_Strict):
     max_loaded: int = Field(
         4, ge=1, description="Adapters one replica holds; least recently used evicted first."
     )
+    max_per_request: int = Field(4, ge=1, description="Adapters one request may stack (`loras`).")
+
+    @model_validator(mode="after")
+    def _room_for_a_request(self):
+        if self.max_per_request > self.max_loaded:
+            raise ValueError(
+                f"lora.max_per_request={self.max_per_request} exceeds lora.max_loaded={self.max_loaded}: "
+                "a replica must hold every adapter of a request at once"
+            )
+        return self
 
 
 class AuthConfig(_Strict):

@@ -494,11 +494,7 @@ class DiffusionIngress:
         if isinstance(request, PreparedRequest):
             return request
         check_limits(request, self.cfg.limits, request.prompts)
-        lora = None
-        if request.lora is not None:
-            entry = self.registry.get(request.lora.name)
-            scale = request.lora.scale if request.lora.scale is not None else entry["scale"]
-            lora = LoraRef(name=request.lora.name, scale=scale, path=entry["path"])
+        loras = self._adapters(request)
         info = await self._describe()
         check_media(request, info, self.cfg.limits)
         video = info.modality == "video"
@@ -524,17 +520,35 @@ class DiffusionIngress:
             output_format="mp4" if video else "png",
             num_frames=info.default_num_frames if video else None,
             fps=info.default_fps if video else None,
-            lora=lora,
+            loras=loras,
             task=task,
             image=image,
             mask=mask,
         )
 
+    def _adapters(self, request: GenerationRequest | BatchGenerationRequest) -> list[LoraRef]:
+        """The request's adapters (`lora` and `loras`), each with its registered file and scale,
+        in name order: the same set gives the same image whatever order it was listed in."""
+        refs = ([request.lora] if request.lora is not None else []) + list(request.loras)
+        names = [r.name for r in refs]
+        if len(set(names)) < len(names):
+            dup = next(n for n in names if names.count(n) > 1)
+            raise InvalidRequest(f"loras: adapter {dup!r} is named twice", param="loras")
+        most = self.cfg.lora.max_per_request
+        if len(refs) > most:
+            raise InvalidRequest(f"loras: {len(refs)} adapters, the maximum is {most}", param="loras")
+        out = []
+        for ref in refs:
+            entry = self.registry.get(ref.name)
+            scale = ref.scale if ref.scale is not None else entry["scale"]
+            out.append(LoraRef(name=ref.name, scale=scale, path=entry["path"]))
+        return sorted(out, key=lambda r: r.name)
+
     def _replica_for(self, request) -> DeploymentHandle:
-        """Requests naming an adapter go preferably to replicas that hold it (Serve multiplexing)."""
-        if request.lora is None:
+        """Requests naming adapters go preferably to replicas that hold the first (Serve multiplexing)."""
+        if not request.loras:
             return self.replica
-        return self.replica.options(multiplexed_model_id=request.lora.name)
+        return self.replica.options(multiplexed_model_id=request.loras[0].name)
 
     # ------------------------------------------------------------------ profiling and collective RPC
 

@@ -243,6 +243,9 @@ class GenerationParams(_Wire):
     request_id: RequestId = None
     extra: Extra = Field(default_factory=dict)
     lora: LoraRef | None = None
+    loras: list[LoraRef] = Field(
+        default_factory=list, description="Several adapters at once, each at its scale (with `lora` too)."
+    )
 
 
 class _ImageInputs(_Wire):
@@ -332,7 +335,7 @@ class PreparedRequest(_Wire):
     return_latents: bool = False
     return_trajectory: bool = False
     extra: dict[str, Any] = Field(default_factory=dict)
-    lora: LoraRef | None = None  # with its scale and path resolved
+    loras: list[LoraRef] = Field(default_factory=list)  # by name, each with its scale and path resolved
     prompt_embeds: TensorPayload | None = None
     negative_prompt_embeds: TensorPayload | None = None
     pooled_prompt_embeds: TensorPayload | None = None
@@ -352,7 +355,7 @@ class PreparedRequest(_Wire):
         output_format: str = "png",
         num_frames: int | None = None,
         fps: int | None = None,
-        lora: LoraRef | None = None,
+        loras: list[LoraRef] | None = None,
         task: str = "generate",
         image: PixelPayload | None = None,
         mask: PixelPayload | None = None,
@@ -382,7 +385,7 @@ class PreparedRequest(_Wire):
             return_latents=request.return_latents,
             return_trajectory=request.return_trajectory,
             extra=request.extra,
-            lora=lora,
+            loras=loras or [],
             **{name: getattr(request, name, None) for name in EMBEDS_FIELDS},
         )
 

@@ -50,7 +50,7 @@ TEST_ARGS = {
     # test_auth.py checks that without it they are closed.
     "auth": {"local_admin": True},
     "lora": {"registry_path": str(SESSION_DIR / "registry.json"), "allowed_roots": [str(ADAPTER_DIR)],
-             "max_loaded": 2, "max_file_mb": 1},
+             "max_loaded": 2, "max_per_request": 2, "max_file_mb": 1},
 }  # fmt: skip
 
 

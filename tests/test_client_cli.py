@@ -47,6 +47,29 @@ def test_edit_and_inpaint_an_image_file(base_url, tmp_path):
     assert r.returncode == 1 and "cannot read the image" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_stacked_adapters_from_the_command_line(base_url, tmp_path):
+    from serve_app.lora import make_adapter
+    from tests.conftest import ADAPTER_DIR
+
+    for name, seed in (("cli-a", 21), ("cli-b", 22)):
+        path = make_adapter(str(ADAPTER_DIR / f"{name}.safetensors"), seed=seed)
+        assert run("lora", "add", name, str(path), url=base_url).returncode == 0
+    try:
+        outs = []
+        for loras in (["cli-a:0.7", "cli-b"], ["cli-b", "cli-a:0.7"]):
+            out = tmp_path / f"{len(outs)}.png"
+            args = [x for spec in loras for x in ("--lora", spec)]
+            r = run("generate", "x", "--seed", "4", "-o", str(out), "-q", *args, url=base_url)
+            assert r.returncode == 0, r.stderr
+            outs.append(out.read_bytes())
+        assert outs[0] == outs[1]  # the order they are listed in does not matter
+        r = run("generate", "x", "--lora", "cli-a:lots", "-o", str(tmp_path / "bad.png"), url=base_url)
+        assert r.returncode == 1 and "must be a number" in r.stderr
+    finally:
+        for name in ("cli-a", "cli-b"):
+            run("lora", "rm", name, url=base_url)
+
+
 def test_status_and_lora_list(base_url):
     r = run("status", url=base_url)
     assert r.returncode == 0 and "healthy" in r.stdout and "model tiny-sd" in r.stdout

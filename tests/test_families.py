@@ -159,8 +159,8 @@ def test_an_adapter_in_the_family_format_changes_the_image(engines, name, tmp_pa
     base = pixels(e.run([Row("a", None, 1)], p).images[0])
     e.load_lora("style", str(path))
     try:
-        styled = pixels(e.run([Row("a", None, 1)], params(e, lora=("style", 1.0))).images[0])
-        off = pixels(e.run([Row("a", None, 1)], params(e, lora=("style", 0.0))).images[0])
+        styled = pixels(e.run([Row("a", None, 1)], params(e, loras=(("style", 1.0),))).images[0])
+        off = pixels(e.run([Row("a", None, 1)], params(e, loras=(("style", 0.0),))).images[0])
     finally:
         e.unload_lora("style")
     assert np.abs(styled - base).mean() > 1

@@ -87,6 +87,26 @@ def test_adapter_changes_the_image_and_scale_zero_is_the_base(lora_app, client):
     assert str(SESSION_DIR) not in str(listing)
 
 
+def test_stacked_adapters_give_one_image_whatever_their_order(lora_app, client):
+    base, red = image(client), image(client, lora={"name": "red"})
+    both = image(client, loras=[{"name": "red"}, {"name": "blue", "scale": 0.5}])
+    again = image(client, loras=[{"name": "blue", "scale": 0.5}, {"name": "red"}])
+    mixed = image(client, lora={"name": "blue", "scale": 0.5}, loras=[{"name": "red"}])  # both fields
+    assert np.array_equal(both, again) and np.array_equal(both, mixed)
+    assert np.abs(both - red).max() > 5 and np.abs(both - base).max() > 5
+    zeros = image(client, loras=[{"name": "red", "scale": 0}, {"name": "blue", "scale": 0}])
+    assert np.array_equal(zeros, base)
+    for loras, words in [
+        ([{"name": "red"}, {"name": "red"}], "'red' is named twice"),
+        ([{"name": n} for n in ("red", "blue", "green")], "3 adapters, the maximum is 2"),
+    ]:
+        r = client.post(GEN, json={"prompt": "x", "loras": loras})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "loras", r.text
+        assert words in r.json()["error"]["message"]
+    r = client.post(GEN, json={"prompt": "x", "loras": [{"name": "red"}, {"name": "nope"}]})
+    assert r.status_code == 404, r.text
+
+
 def test_same_adapter_image_on_every_replica_and_no_cross_contamination(lora_app, client):
     ref = {
         name: image(client, lora={"name": name}) if name else image(client) for name in ("red", "blue", None)

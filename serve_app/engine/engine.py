@@ -118,7 +118,7 @@ class CallParams:
     steps: int
     guidance_scale: float
     extra: tuple[tuple[str, Any], ...] = ()
-    lora: tuple[str, float] | None = None  # (adapter name, scale); the adapter must be loaded
+    loras: tuple[tuple[str, float], ...] = ()  # (adapter name, scale) each; they must be loaded
     return_latents: bool = False
     return_trajectory: bool = False
     num_frames: int | None = None  # video models only
@@ -665,9 +665,10 @@ class DiffusionEngine:
         if name in self.loaded_loras():
             self.pipe.delete_adapters(name)
 
-    def _apply_lora(self, lora: tuple[str, float] | None) -> None:
-        """Make exactly `lora` active (None or scale 0: the base model, bit for bit)."""
-        want = lora if lora is not None and lora[1] != 0 else None
+    def _apply_lora(self, loras: tuple[tuple[str, float], ...]) -> None:
+        """Make exactly these adapters active at their scales, in name order (none, or every
+        scale 0: the base model, bit for bit)."""
+        want = tuple(sorted((n, s) for n, s in loras if s != 0)) or None
         if want == self._active_lora:
             return
         if want is None:
@@ -675,7 +676,7 @@ class DiffusionEngine:
                 self.pipe.disable_lora()
         else:
             self.pipe.enable_lora()
-            self.pipe.set_adapters([want[0]], [want[1]])
+            self.pipe.set_adapters([n for n, _ in want], [s for _, s in want])
         self._active_lora = want
 
     # ------------------------------------------------------------------ running
@@ -731,7 +732,7 @@ class DiffusionEngine:
                 st.denoise_end = time.perf_counter()
             return {}
 
-        self._apply_lora(params.lora)
+        self._apply_lora(params.loras)
         fam = self.family
         pipe = self._task_pipes[params.task]
         kwargs = self._text_inputs(rows)

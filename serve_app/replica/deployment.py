@@ -197,7 +197,7 @@ class DiffusionReplica:
             steps=request.num_inference_steps,
             guidance_scale=request.guidance_scale,
             extra=tuple(sorted(extra.items())),
-            lora=(request.lora.name, request.lora.scale) if request.lora else None,
+            loras=tuple((r.name, r.scale) for r in request.loras),
             return_latents=request.return_latents,
             return_trajectory=request.return_trajectory,
             num_frames=request.num_frames,
@@ -317,8 +317,8 @@ class DiffusionReplica:
         """On the engine thread: load the call's adapter if this replica lacks it, then run the
         rows in pipeline calls of at most `max_batch_images` (one call unless one job is larger)."""
         request, params = batch[0].payload
-        if params.lora is not None:
-            self.adapters.hold(params.lora[0], request.lora.path)
+        for ref in request.loras:  # max_per_request <= max_loaded: holding one never evicts another
+            self.adapters.hold(ref.name, ref.path)
         size = self.batching.max_batch_images
         chunks = [rows[k : k + size] for k in range(0, len(rows), size)]
         parts = []
