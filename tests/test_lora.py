@@ -120,7 +120,9 @@ def test_same_adapter_image_on_every_replica_and_no_cross_contamination(lora_app
     with cf.ThreadPoolExecutor(12) as pool:
         results = list(pool.map(go, jobs))
     for name, img in results:
-        assert np.abs(img - ref[name]).max() <= 1, f"request with adapter {name} got another image"
+        # Requests with different adapters may share a call (mixed batches): the same image to
+        # within 3 levels of 255, the CPU's rounding for another batch.
+        assert np.abs(img - ref[name]).max() <= 3, f"request with adapter {name} got another image"
     holders = [r for r in replicas_loaded(client) if r["loaded"]]
     print(f"\nadapters per replica after mixed traffic: {[r['loaded'] for r in replicas_loaded(client)]}")
     assert holders
@@ -206,3 +208,37 @@ def test_bad_adapters_are_refused_and_the_replicas_keep_serving(
 def test_unknown_adapter_on_a_request_is_404(lora_app, client):
     r = client.post(GEN, json={"prompt": "a", "lora": {"name": "no-such-adapter"}})
     assert r.status_code == 404 and "no-such-adapter" in r.json()["error"]["message"]
+
+
+def test_requests_with_different_adapters_share_one_call_over_http(client):
+    """On the shared app (one replica, a 100 ms batch window): a request with adapter A, one
+    with adapter B and one with none, sent together, run as one pipeline call, and each gets
+    the image it gets alone."""
+    from serve_app.lora import make_adapter
+
+    for name, seed in (("mix-a", 31), ("mix-b", 32)):
+        path = make_adapter(str(ADAPTER_DIR / f"{name}.safetensors"), seed=seed, strength=2.0)
+        assert client.post("/v1/loras", json={"name": name, "path": str(path)}).status_code == 200
+    try:
+        bodies = [{"prompt": "a cat", "seed": 5, "size": "32x32", **({"lora": {"name": n}} if n else {})}
+                  for n in ("mix-a", "mix-b", None)]  # fmt: skip
+
+        def post(body):
+            r = client.post("/v1/images/generations", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        alone = [post(b) for b in bodies]
+        with cf.ThreadPoolExecutor(3) as pool:
+            together = list(pool.map(post, bodies))
+        assert all(t["metrics"]["batch_requests"] == 3 for t in together), [t["metrics"] for t in together]
+        for a, t in zip(alone, together, strict=True):
+            assert np.abs(decoded(a) - decoded(t)).max() <= 3
+        assert np.abs(decoded(together[0]) - decoded(together[1])).max() > 5  # the adapters differ
+    finally:
+        for name in ("mix-a", "mix-b"):
+            client.delete(f"/v1/loras/{name}")
+
+
+def decoded(body: dict) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(body["data"][0]["b64_json"])))).astype(np.int16)

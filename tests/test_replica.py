@@ -400,3 +400,25 @@ def test_a_fatal_device_error_hands_every_request_back(faulty):
             run(faulty.generate(req("c", "fatal-after")))
     finally:
         faulty.health.fatal = None
+
+
+def test_requests_with_different_single_adapters_share_a_call_within_the_rules():
+    """The scheduler's rule for mixed-adapter calls, as pure policy: one scale per adapter name
+    in a call, at most `max_adapters` names, and requests with no adapter join any call."""
+    from serve_app.config import BatchingConfig
+    from serve_app.replica.scheduler import Job, Scheduler
+
+    async def go():
+        s = Scheduler(BatchingConfig(max_batch_images=8), max_adapters=2)
+        loop = asyncio.get_running_loop()
+
+        def job(rid, adapter):
+            return Job(rid, rows=[rid], key="k", steps=3, future=loop.create_future(), adapter=adapter)
+
+        for rid, adapter in [("a", ("red", 1.0)), ("b", ("blue", 0.5)), ("c", ("red", 0.5)),
+                             ("d", None), ("e", ("green", 1.0)), ("f", ("red", 1.0))]:  # fmt: skip
+            s.submit(job(rid, adapter))
+        return [j.request_id for j in s.gather()]
+
+    # c: red at another scale; e: a third name over the limit of 2.
+    assert asyncio.run(go()) == ["a", "b", "d", "f"]

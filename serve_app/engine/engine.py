@@ -105,6 +105,7 @@ class Row:
     negative_prompt_embeds: torch.Tensor | None = None
     pooled_prompt_embeds: torch.Tensor | None = None  # (1, width), for the families that pool
     negative_pooled_prompt_embeds: torch.Tensor | None = None
+    adapters: tuple[tuple[str, float], ...] = ()  # this row's adapters, when rows differ (see run)
     image: Any = None  # the input image (PIL, RGB) of img2img, inpaint and edit rows
     mask: Any = None  # inpaint: PIL "L", white where to paint
 
@@ -665,6 +666,43 @@ class DiffusionEngine:
         if name in self.loaded_loras():
             self.pipe.delete_adapters(name)
 
+    def _row_adapters(self, rows: Sequence[Row], params: CallParams):
+        """Put each row's adapters in force; returns the undo.
+
+        Rows with one adapter set (the call's `params.loras`, or the same `Row.adapters`) get it
+        the usual way. Rows with different single adapters share the call through PEFT's mixed
+        batches: every adapter of the call is active at its scale, and a forward pre-hook on
+        each LoRA layer names the adapter of every row of its input (the base layer runs once
+        for the whole batch; each row adds its own low-rank delta; rows without one get the base
+        output). The denoiser's batch is the rows repeated (the halves of classifier-free
+        guidance), so the names repeat with them."""
+        sets = [r.adapters or params.loras for r in rows]
+        if all(s == sets[0] for s in sets):
+            self._apply_lora(sets[0])
+            return lambda: None
+        if any(len(s) > 1 for s in sets):
+            raise ValueError("rows with several adapters each cannot share a call with other adapters")
+        union = dict(s[0] for s in sets if s)
+        if any(union[s[0][0]] != s[0][1] for s in sets if s):
+            raise ValueError("one adapter at two scales cannot share a call")
+        self._apply_lora(tuple(union.items()))
+        names = [s[0][0] if s and s[0][1] != 0 else "__base__" for s in sets]
+
+        def name_rows(module, args, kwargs):
+            x = args[0] if args else next(iter(kwargs.values()))
+            kwargs["adapter_names"] = names * (x.shape[0] // len(names))
+            return args, kwargs
+
+        from peft.tuners.lora import LoraLayer
+
+        denoiser = find_denoiser(self.pipe)
+        hooks = [
+            m.register_forward_pre_hook(name_rows, with_kwargs=True)
+            for m in denoiser.modules()
+            if isinstance(m, LoraLayer)
+        ]
+        return lambda: [h.remove() for h in hooks]
+
     def _apply_lora(self, loras: tuple[tuple[str, float], ...]) -> None:
         """Make exactly these adapters active at their scales, in name order (none, or every
         scale 0: the base model, bit for bit)."""
@@ -732,7 +770,7 @@ class DiffusionEngine:
                 st.denoise_end = time.perf_counter()
             return {}
 
-        self._apply_lora(params.loras)
+        unhook = self._row_adapters(rows, params)
         fam = self.family
         pipe = self._task_pipes[params.task]
         kwargs = self._text_inputs(rows)
@@ -774,6 +812,7 @@ class DiffusionEngine:
         finally:
             self._state = None
             restore()
+            unhook()
         end = time.perf_counter()
         start = st.denoise_start or st.t0
         denoise_end = st.denoise_end or end

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import dataclasses
 import logging
 import os
 import time
@@ -87,7 +88,11 @@ class DiffusionReplica:
         self._cpu_pool = ThreadPoolExecutor(
             max_workers=max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="encode"
         )
-        self.scheduler = Scheduler(BatchingConfig.model_validate(batching or {}), on_retire=self._on_retire)
+        self.scheduler = Scheduler(
+            BatchingConfig.model_validate(batching or {}),
+            on_retire=self._on_retire,
+            max_adapters=lora_cfg.max_loaded,
+        )
         self.adapters = AdapterResidency(self.engine, lora_cfg.max_loaded, on_change=report_adapters)
         self.profiler = Profiler(ProfilingConfig.model_validate(profiling or {}).trace_dir, self._on_engine)
         self.health = Health(
@@ -208,6 +213,11 @@ class DiffusionReplica:
             vae_tiling=request.vae_use_tiling,
         )
         # SDXL treats an absent negative prompt differently from an empty one: keep them apart.
+        adapter = None
+        if len(request.loras) == 1:  # may share a call with other single-adapter requests
+            adapter = (request.loras[0].name, request.loras[0].scale)
+            params = dataclasses.replace(params, loras=())
+            rows = [dataclasses.replace(r, adapters=(adapter,)) for r in rows]
         key = (params, request.negative_prompt is None, *(t is None for t in embeds.values()))
         job = Job(
             request_id=rid,
@@ -217,6 +227,7 @@ class DiffusionReplica:
             future=asyncio.get_running_loop().create_future(),
             payload=(request, params),
             preview_every=preview_every,
+            adapter=adapter,
         )
         self.scheduler.submit(job)
         self._ensure_loop()
@@ -317,8 +328,10 @@ class DiffusionReplica:
         """On the engine thread: load the call's adapter if this replica lacks it, then run the
         rows in pipeline calls of at most `max_batch_images` (one call unless one job is larger)."""
         request, params = batch[0].payload
-        for ref in request.loras:  # max_per_request <= max_loaded: holding one never evicts another
-            self.adapters.hold(ref.name, ref.path)
+        # Every adapter of the call's requests; the scheduler puts at most max_loaded in a call.
+        for job in batch:
+            for ref in job.payload[0].loras:
+                self.adapters.hold(ref.name, ref.path)
         size = self.batching.max_batch_images
         chunks = [rows[k : k + size] for k in range(0, len(rows), size)]
         parts = []

@@ -40,6 +40,10 @@ class Job:
     step: int = 0
     total_steps: int = 0  # steps of all its pipeline calls, once it runs
     listeners: list[asyncio.Queue] = field(default_factory=list)
+    # A job with one adapter (or none) may share a call with jobs of other single adapters:
+    # its (name, scale), or None. Within a call one name has one scale (adapter scales are per
+    # name on the engine) and at most `max_adapters` names are held at once.
+    adapter: tuple[str, float] | None = None
 
 
 @dataclass(frozen=True)
@@ -60,8 +64,14 @@ class _LastCall:
 
 
 class Scheduler:
-    def __init__(self, batching: BatchingConfig, on_retire: Callable[[Job, State], None] | None = None):
+    def __init__(
+        self,
+        batching: BatchingConfig,
+        on_retire: Callable[[Job, State], None] | None = None,
+        max_adapters: int = 1 << 30,
+    ):
         self.batching = batching
+        self.max_adapters = max_adapters
         self.queue: collections.deque[Job] = collections.deque()
         self.jobs: dict[str, Job] = {}  # queued and running, by request id
         self.running: list[Job] = []
@@ -94,13 +104,25 @@ class Scheduler:
         head = self.queue[0]
         limit = self.batching.max_batch_images
         batch, images = [head], len(head.rows)
+        adapters = dict([head.adapter]) if head.adapter else {}
         for job in list(self.queue)[1:]:
             if images >= limit:
                 break
-            if job.key == head.key and images + len(job.rows) <= limit:
+            if job.key == head.key and images + len(job.rows) <= limit and self._fits(adapters, job):
                 batch.append(job)
                 images += len(job.rows)
+                if job.adapter:
+                    adapters[job.adapter[0]] = job.adapter[1]
         return batch
+
+    def _fits(self, adapters: dict[str, float], job: Job) -> bool:
+        """Whether `job`'s adapter can join a call holding `adapters` (name -> scale)."""
+        if job.adapter is None:
+            return True
+        name, scale = job.adapter
+        if name in adapters:
+            return adapters[name] == scale
+        return len(adapters) < self.max_adapters
 
     def fill_deadline(self, batch: list[Job], images: int) -> float:
         """When a call led by `batch[0]` stops waiting for company: `batch_wait_ms` after the head
