@@ -42,8 +42,9 @@ run accel 150 bench_accel.py "${M[@]}" --size "$size" --steps "$steps" --batch 8
     --out "$out/accel.json"
 # The transformer family at its real shapes (FLUX.1: 11.9B transformer, T5-XXL; random weights,
 # no download), 1024x1024 at 4 steps as FLUX.1 [schnell] runs: the serving overhead over the raw
-# pipeline where one call takes seconds. FLUX_ARGS="" skips it (CPU smoke runs).
-read -r -a F <<< "${FLUX_ARGS---model builtin:flux-arch --device cuda}"
+# pipeline where one call takes seconds. Opt in (it adds up to 200 s, past the 15-minute lease
+# with the rest at their limits): FLUX_ARGS="--model builtin:flux-arch --device cuda".
+read -r -a F <<< "${FLUX_ARGS:-}"
 if [ ${#F[@]} -gt 0 ]; then
     run latency-flux 200 bench_latency.py "${F[@]}" --size 1024 --steps 4 --iters 3 --out "$out/latency-flux.json"
 fi
