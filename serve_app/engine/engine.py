@@ -390,6 +390,10 @@ class DiffusionEngine:
         self.load_s = time.perf_counter() - t
         self._task_pipes = self._derived_pipelines()
         self._call_args = {task: self._named_call_args(p) for task, p in self._task_pipes.items()}
+        # Every argument each task's call takes, reserved ones included (read once, not per call).
+        self._accepts = {
+            task: frozenset(inspect.signature(p.__call__).parameters) for task, p in self._task_pipes.items()
+        }
         self.family: Family = describe_pipeline(self.pipe, find_denoiser(self.pipe))
         self.default_height, self.default_width = self._native_size()
         video = self.family.modality == "video"
@@ -770,13 +774,12 @@ class DiffusionEngine:
                 st.denoise_end = time.perf_counter()
             return {}
 
-        unhook = self._row_adapters(rows, params)
         fam = self.family
-        pipe = self._task_pipes[params.task]
+        pipe, accepts = self._task_pipes[params.task], self._accepts[params.task]
         kwargs = self._text_inputs(rows)
         if params.task != "generate":
-            kwargs.update(self._image_inputs(rows, params, pipe))
-        if "max_area" in inspect.signature(pipe.__call__).parameters:  # Kontext scales sizes to it
+            kwargs.update(self._image_inputs(rows, params, accepts))
+        if "max_area" in accepts:  # Kontext scales sizes to it
             kwargs["max_area"] = params.height * params.width
         if fam.count_arg:
             kwargs[fam.count_arg] = 1
@@ -784,6 +787,7 @@ class DiffusionEngine:
             kwargs["num_frames"] = params.num_frames or self.default_num_frames
         gen_device = params.generator_device or self.device
         generators = [torch.Generator(gen_device).manual_seed(r.seed) for r in rows]
+        unhook = self._row_adapters(rows, params)  # undone in `finally` below, like the VAE modes
         restore = self._vae_modes(params)
         self._state = st
         self._memory.start()
@@ -835,8 +839,7 @@ class DiffusionEngine:
         )
 
     @staticmethod
-    def _image_inputs(rows: Sequence[Row], params: CallParams, pipe) -> dict[str, Any]:
-        accepts = inspect.signature(pipe.__call__).parameters
+    def _image_inputs(rows: Sequence[Row], params: CallParams, accepts: frozenset[str]) -> dict[str, Any]:
         out: dict[str, Any] = {"image": [r.image for r in rows]}
         if params.task == "inpaint":
             out["mask_image"] = [r.mask for r in rows]
