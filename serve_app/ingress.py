@@ -10,6 +10,7 @@ import asyncio
 import base64
 import json
 import logging
+import math
 import random
 import re
 import time
@@ -750,7 +751,7 @@ class DiffusionIngress:
             edit = ImagesEditRequest.model_validate(body)
         except ValueError as e:  # pydantic ValidationError is a ValueError
             raise validation_to_error(e.errors()) from None
-        return await self._http_generate(edit, edit.to_generation_request)
+        return await self._http_generate(edit, edit.to_generation_request, stream_kind="image_edit")
 
     @app.post("/v1/videos", response_model=ImagesResponse, responses=_IMAGE_RESPONSES)
     async def videos_generations(self, body: VideosGenerationRequest) -> Response:
@@ -759,6 +760,11 @@ class DiffusionIngress:
         if info.modality != "video":
             raise InvalidRequest(
                 f"model: {info.model} makes images; use POST /v1/images/generations", param="model"
+            )
+        if body.partial_images is not None:
+            raise InvalidRequest(
+                "partial_images: OpenAI's image stream is for images; a video streams step events",
+                param="partial_images",
             )
         if body.seconds is not None and body.num_frames is None:
             a, b = info.frame_rule or (1, 0)
@@ -831,7 +837,7 @@ class DiffusionIngress:
         """Liveness of this ingress: 200 while it runs, whatever the engine replicas do."""
         return {"status": "ok"}
 
-    async def _http_generate(self, body, to_request) -> Response:
+    async def _http_generate(self, body, to_request, stream_kind: str = "image_generation") -> Response:
         served = self.cfg.model.served_name
         if body.model is not None and body.model != served:
             raise NotFound(f"model: {body.model!r} is not served here; available: {served!r}", param="model")
@@ -842,7 +848,10 @@ class DiffusionIngress:
         if body.stream:
             await self._ensure_ready()
             request = await self._prepare(request)  # bad input still gets its 400 before the stream opens
-            events = self._sse(request, body.response_format, body.preview_every)
+            if body.partial_images is not None:
+                events = self._openai_sse(request, body, stream_kind)
+            else:
+                events = self._sse(request, body.response_format, body.preview_every)
             return StreamingResponse(
                 events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
@@ -858,6 +867,49 @@ class DiffusionIngress:
             return {"type": "result", **_images_response(item, response_format)}
 
         return sse.frame(self.generate_stream(request, preview_every), render, request.request_id)
+
+    def _openai_sse(self, request: PreparedRequest, body, kind: str) -> AsyncIterator[str]:
+        """OpenAI's image stream, which its SDK parses: `partial_images` previews spread over the
+        steps (`<kind>.partial_image`), then one `<kind>.completed` per image."""
+        wanted = body.partial_images
+        total = request.num_inference_steps
+        every = math.ceil(total / (wanted + 1)) if wanted else 0
+        quality = body.quality if body.quality in ("low", "medium", "high") else "auto"
+        common = {
+            "background": "opaque",
+            "output_format": request.output_format,
+            "quality": quality,
+            "size": f"{request.width}x{request.height}",
+        }
+
+        async def events() -> AsyncIterator[dict[str, Any]]:
+            sent = 0
+            async for item in self.generate_stream(request, every):
+                if isinstance(item, StepEvent):
+                    # The preview of the last step is the image itself: the completed event says it.
+                    if item.preview_png is not None and sent < wanted and item.step < item.total_steps:
+                        yield {
+                            "type": f"{kind}.partial_image",
+                            "partial_image_index": sent,
+                            "b64_json": base64.b64encode(item.preview_png).decode("ascii"),
+                            "created_at": int(time.time()),
+                            **common,
+                        }
+                        sent += 1
+                    continue
+                for img, seed, idx in zip(item.images, item.seeds, item.prompt_index, strict=True):
+                    yield {
+                        "type": f"{kind}.completed",
+                        "b64_json": base64.b64encode(img).decode("ascii"),
+                        "created_at": item.created,
+                        "usage": _NO_TOKENS,
+                        **common,
+                        "seed": seed,
+                        "prompt_index": idx,
+                        "request_id": item.request_id,
+                    }
+
+        return sse.frame(events(), dict, request.request_id)
 
 
 def _images_response(result: GenerationResult, response_format: str) -> dict[str, Any]:
@@ -883,6 +935,14 @@ def _images_response(result: GenerationResult, response_format: str) -> dict[str
     )
     return resp.model_dump(mode="json", exclude_none=True)
 
+
+# OpenAI's completed event counts tokens; a diffusion model has none to count.
+_NO_TOKENS = {
+    "input_tokens": 0,
+    "input_tokens_details": {"image_tokens": 0, "text_tokens": 0},
+    "output_tokens": 0,
+    "total_tokens": 0,
+}
 
 _ABORT_MESSAGES = {
     "aborted": "aborted; its caller gets an 'aborted' error",

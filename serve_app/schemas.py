@@ -500,6 +500,13 @@ class _ImagesCommon(GenerationParams):
         False, description="Answer with Server-Sent Events: a step event per step, then the result."
     )
     preview_every: int = Field(0, ge=0, description="With `stream`: a preview image every k steps (0: none).")
+    partial_images: int | None = Field(
+        None,
+        ge=0,
+        le=3,
+        description="With `stream`: speak OpenAI's image stream (`image_generation.partial_image` "
+        "events, then `image_generation.completed` per image) with this many partial images.",
+    )
 
     @field_validator("size")
     @classmethod
@@ -542,7 +549,6 @@ class ImagesEditRequest(_ImagesCommon):
     mask: InputImage | None = Field(None, description="Where to paint: transparent (alpha) or white.")
     # OpenAI edit fields accepted for compatibility and ignored by diffusion models
     input_fidelity: str | None = None
-    partial_images: int | None = Field(None, ge=0, le=3)
 
     @field_validator("image", mode="before")
     @classmethod

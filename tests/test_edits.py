@@ -61,6 +61,48 @@ def test_the_openai_client_edits_and_generates(base_url, tmp_path):
     assert Image.open(io.BytesIO(base64.b64decode(made.data[0].b64_json))).size == (32, 32)
 
 
+def test_the_openai_client_streams_partial_images(base_url, client, tmp_path):
+    """OpenAI's image stream, parsed by the official SDK: the partial images asked for, then the
+    completed image, the same as the image of the same seed made without streaming."""
+    from openai import OpenAI
+
+    oai = OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0)
+    extra = {"seed": 5, "num_inference_steps": 6}
+    events = list(
+        oai.images.generate(
+            model="tiny-sd",
+            prompt="a red boat",
+            size="32x32",
+            stream=True,
+            partial_images=2,
+            extra_body=extra,
+        )
+    )
+    assert [e.type for e in events] == ["image_generation.partial_image"] * 2 + ["image_generation.completed"]
+    assert [e.partial_image_index for e in events[:2]] == [0, 1]
+    assert all(Image.open(io.BytesIO(base64.b64decode(e.b64_json))).format == "PNG" for e in events)
+    plain = client.post("/v1/images/generations", json={"prompt": "a red boat", "size": "32x32", **extra})
+    assert events[-1].b64_json == plain.json()["data"][0]["b64_json"]
+    assert events[-1].size == "32x32" and events[-1].output_format == "png"
+
+    path = tmp_path / "in.png"
+    path.write_bytes(png(picture(32)))
+    with open(path, "rb") as f:
+        edits = list(
+            oai.images.edit(image=f, prompt="a boat", stream=True, partial_images=0, n=2, extra_body=extra)
+        )
+    assert [e.type for e in edits] == ["image_edit.completed"] * 2
+    # A bad request is refused before the stream opens, as the SDK's error type.
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="num_inference_steps"):
+        list(
+            oai.images.generate(
+                prompt="x", stream=True, partial_images=1, extra_body={"num_inference_steps": 999}
+            )
+        )
+
+
 def test_edit_size_defaults_to_the_input_and_seeds_hold(client):
     files = {"image": ("in.png", png(picture(48)), "image/png")}
     a = form(client, files, prompt="x", seed=3, strength=0.5, num_inference_steps=6)
