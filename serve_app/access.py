@@ -22,6 +22,8 @@ from serve_app.errors import Forbidden, PayloadTooLarge, ServingError, Unauthori
 
 # Routes anyone may call, keys or not: probes and the static playground page.
 OPEN_ROUTES = {("GET", "/health"), ("GET", "/live"), ("GET", "/"), ("HEAD", "/health"), ("HEAD", "/live")}
+# Stored outputs by signed link: the route checks the signature instead of a key.
+SIGNED_PREFIX = "/v1/files/"
 
 ADMIN_CLOSED = (
     "this route changes the server for every user and is closed: configure admin keys "
@@ -71,6 +73,8 @@ class AccessPolicy:
     def check_caller(self, method: str, path: str, authorization: str) -> ServingError | None:
         """Any route: with keys configured, a valid user or admin key (401 otherwise)."""
         if not self.keys_required or (method, path) in OPEN_ROUTES:
+            return None
+        if method == "GET" and path.startswith(SIGNED_PREFIX):
             return None
         key = self._bearer(authorization)
         if key is None:

@@ -306,6 +306,50 @@ class ProfilingConfig(_Strict):
     )
 
 
+class JobsConfig(_Strict):
+    """Asynchronous jobs and stored outputs: where they live, how long, and their webhooks."""
+
+    store: str = Field(
+        "~/.cache/diffusion-serve/store",
+        description="Where job records and outputs live: a directory, or any fsspec URL (s3://, "
+        "gs://, a shared file system) so that every ingress replica on every node sees them.",
+    )
+    retention_s: float = Field(
+        86400.0, gt=0, description="Finished jobs and stored outputs older than this go."
+    )
+    max_store_mb: float = Field(
+        10240.0, gt=0, description="Above this total, the oldest finished jobs and outputs go first."
+    )
+    url_ttl_s: float = Field(3600.0, gt=0, description="How long a `response_format: url` link works.")
+    url_secret_env: str = Field(
+        "DIFFUSION_URL_SECRET",
+        description="Environment variable holding the key that signs output URLs; unset: a random key "
+        "kept in the store, shared by every ingress that uses it.",
+    )
+    public_url: str | None = Field(
+        None, description="Base of the URLs handed out (behind a proxy); default: the request's own."
+    )
+    lease_s: float = Field(
+        15.0,
+        gt=0,
+        description="A running job whose ingress has not renewed it this long is resumed by another.",
+    )
+    sweep_interval_s: float = Field(2.0, gt=0, description="How often an ingress renews, resumes and prunes.")
+    webhook_hosts: list[str] = Field(
+        default_factory=list,
+        description="Hosts webhooks may call; empty: any host except loopback, private and link-local.",
+    )
+    webhook_secret: str | None = Field(
+        None, repr=False, description="The HMAC key that signs webhook calls (or the variable below)."
+    )
+    webhook_secret_env: str = Field(
+        "DIFFUSION_WEBHOOK_SECRET", description="Environment variable with the HMAC key of webhook calls."
+    )
+    webhook_max_attempts: int = Field(5, ge=1, le=20)
+    webhook_backoff_s: float = Field(1.0, gt=0, description="First retry delay; doubles each retry.")
+    webhook_timeout_s: float = Field(10.0, gt=0)
+
+
 class AppConfig(_Strict):
     """The `args` of the Serve application (see serve_config.yaml)."""
 
@@ -317,6 +361,7 @@ class AppConfig(_Strict):
     auth: AuthConfig = Field(default_factory=AuthConfig)
     profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
     ingress: IngressConfig = Field(default_factory=IngressConfig)
+    jobs: JobsConfig = Field(default_factory=JobsConfig)
 
     @model_validator(mode="after")
     def _defaults_within_limits(self) -> AppConfig:

@@ -137,3 +137,10 @@ class ReplicaLost(Unavailable):
 class DeadlineExceeded(ServingError):
     status_code = 504
     error_type = "timeout"
+
+
+class Conflict(ServingError):
+    """The request contradicts the server's state (an idempotency key reused for another body)."""
+
+    status_code = 409
+    error_type = "conflict"

@@ -8,6 +8,7 @@ and no torch here.
 
 import asyncio
 import base64
+import hashlib
 import json
 import logging
 import math
@@ -27,11 +28,13 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from serve_app import metrics, sse
+from serve_app import metrics, sse, webhooks
 from serve_app.access import AccessPolicy, BodyLimit, check_api_key, error_response, require_admin
 from serve_app.config import AppConfig, Limits
 from serve_app.errors import (
+    Conflict,
     DeadlineExceeded,
+    Forbidden,
     InvalidRequest,
     NotFound,
     Overloaded,
@@ -40,11 +43,11 @@ from serve_app.errors import (
     Unavailable,
 )
 from serve_app.inputs import prepare_inputs
+from serve_app.jobs import JobRunner, Store, body_hash, job_id_for, sign, signature_ok
 from serve_app.lora import Registry, check_adapter_file, check_name, shown_path
 from serve_app.schemas import (
     IMAGE_FORMATS,
     MAX_SEED,
-    MEDIA_TYPES,
     REQUEST_ID_PATTERN,
     VIDEO_FORMATS,
     AbortResponse,
@@ -58,6 +61,9 @@ from serve_app.schemas import (
     ImagesEditRequest,
     ImagesGenerationRequest,
     ImagesResponse,
+    Job,
+    JobList,
+    JobRecord,
     LoraAdd,
     LoraPin,
     LoraRef,
@@ -74,6 +80,7 @@ from serve_app.schemas import (
     StatusResponse,
     StepEvent,
     VideosGenerationRequest,
+    WebhookDelivery,
     new_request_id,
 )
 
@@ -338,6 +345,21 @@ class DiffusionIngress:
         self.access = AccessPolicy.from_config(self.cfg.auth)
         self.max_body_bytes = self.cfg.limits.max_body_bytes
         self.max_upload_bytes = self.cfg.limits.max_upload_bytes
+        # Asynchronous jobs and stored outputs (jobs.py); the runner resumes orphaned jobs.
+        self.store = Store(self.cfg.jobs.store)
+        self.url_key = self.store.secret("url", self.cfg.jobs.url_secret_env)
+        self.jobs = JobRunner(
+            self.store,
+            self.cfg.jobs,
+            lambda request: self.generate_stream(request, restart=True),
+            lambda rid: self.abort([rid]),
+            self._present,
+        )
+        try:
+            asyncio.get_running_loop()
+            self.jobs.start()
+        except RuntimeError:  # built outside an event loop (a unit test): started on first use
+            pass
 
     # ------------------------------------------------------------------ readiness
 
@@ -410,9 +432,15 @@ class DiffusionIngress:
         return ModelList(data=[card])
 
     async def generate_stream(
-        self, request: GenerationRequest | BatchGenerationRequest | dict[str, Any], preview_every: int = 0
+        self,
+        request: GenerationRequest | BatchGenerationRequest | dict[str, Any],
+        preview_every: int = 0,
+        restart: bool = False,
     ) -> AsyncIterator[StepEvent | GenerationResult]:
-        """Call with `handle.options(stream=True)`: a `StepEvent` per step, then the result."""
+        """Call with `handle.options(stream=True)`: a `StepEvent` per step, then the result.
+
+        A replica lost mid-stream ends the stream with an error, unless `restart`: then the
+        request runs again elsewhere and its steps count from 1 again (jobs use this)."""
         if isinstance(request, dict):
             request = _validated(
                 BatchGenerationRequest if "prompts" in request else GenerationRequest, request
@@ -445,7 +473,7 @@ class DiffusionIngress:
                     except Exception as e:
                         err = self._call_error(e, rid, failures)
                         # A replica lost before the first event: nothing was sent, so try again.
-                        if err is not None or started:
+                        if err is not None or (started and not restart):
                             raise err or Unavailable(
                                 "the replica serving this stream died mid-stream", request_id=rid
                             ) from None
@@ -728,12 +756,12 @@ class DiffusionIngress:
     # ------------------------------------------------------------------ HTTP API
 
     @app.post("/v1/images/generations", response_model=ImagesResponse, responses=_IMAGE_RESPONSES)
-    async def images_generations(self, body: ImagesGenerationRequest) -> Response:
-        return await self._http_generate(body, body.to_generation_request)
+    async def images_generations(self, body: ImagesGenerationRequest, http: Request) -> Response:
+        return await self._http_generate(body, body.to_generation_request, http, "images.generations")
 
     @app.post("/v1/images/generations/batch", response_model=ImagesResponse, responses=_IMAGE_RESPONSES)
-    async def images_generations_batch(self, body: ImagesBatchRequest) -> Response:
-        return await self._http_generate(body, body.to_generation_request)
+    async def images_generations_batch(self, body: ImagesBatchRequest, http: Request) -> Response:
+        return await self._http_generate(body, body.to_generation_request, http, "images.generations.batch")
 
     @app.post(
         "/v1/images/edits",
@@ -751,10 +779,12 @@ class DiffusionIngress:
             edit = ImagesEditRequest.model_validate(body)
         except ValueError as e:  # pydantic ValidationError is a ValueError
             raise validation_to_error(e.errors()) from None
-        return await self._http_generate(edit, edit.to_generation_request, stream_kind="image_edit")
+        return await self._http_generate(
+            edit, edit.to_generation_request, request, "images.edits", "image_edit"
+        )
 
     @app.post("/v1/videos", response_model=ImagesResponse, responses=_IMAGE_RESPONSES)
-    async def videos_generations(self, body: VideosGenerationRequest) -> Response:
+    async def videos_generations(self, body: VideosGenerationRequest, http: Request) -> Response:
         """A video model's video, answered when it is made (or streamed, like images)."""
         info = await self._describe()
         if info.modality != "video":
@@ -771,7 +801,7 @@ class DiffusionIngress:
             fps = body.fps or info.default_fps or 16
             k = max(1, round((body.seconds * fps - b) / a))
             body = body.model_copy(update={"num_frames": a * k + b, "fps": fps})
-        return await self._http_generate(body, body.to_generation_request)
+        return await self._http_generate(body, body.to_generation_request, http, "videos")
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def list_models(self) -> ModelList:
@@ -837,7 +867,9 @@ class DiffusionIngress:
         """Liveness of this ingress: 200 while it runs, whatever the engine replicas do."""
         return {"status": "ok"}
 
-    async def _http_generate(self, body, to_request, stream_kind: str = "image_generation") -> Response:
+    async def _http_generate(
+        self, body, to_request, http: Request, route: str, stream_kind: str = "image_generation"
+    ) -> Response:
         served = self.cfg.model.served_name
         if body.model is not None and body.model != served:
             raise NotFound(f"model: {body.model!r} is not served here; available: {served!r}", param="model")
@@ -845,28 +877,225 @@ class DiffusionIngress:
             request = to_request()
         except ValueError as e:  # pydantic ValidationError is a ValueError
             raise validation_to_error(e.errors()) from None
+        if _prefers_async(http):
+            return await self._submit_job(body, request, http, route)
+        for name in ("webhook", "webhook_events"):
+            if getattr(body, name) is not None:
+                raise InvalidRequest(
+                    f"{name}: only an asynchronous job calls a webhook (send 'Prefer: respond-async')",
+                    param=name,
+                )
+        base = self._base_url(http)
         if body.stream:
             await self._ensure_ready()
             request = await self._prepare(request)  # bad input still gets its 400 before the stream opens
             if body.partial_images is not None:
                 events = self._openai_sse(request, body, stream_kind)
             else:
-                events = self._sse(request, body.response_format, body.preview_every)
+                events = self._sse(request, body.response_format, body.preview_every, base)
             return StreamingResponse(
                 events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
             )
         result = await self._submit(request)
         # Serve's proxy sets the X-Request-Id response header to its own request id, which is
         # ours unless the body chose another one (see _request_id).
-        return JSONResponse(_images_response(result, body.response_format))
+        return JSONResponse(_images_response(result, await self._urls(result, body.response_format, base)))
 
-    def _sse(self, request: PreparedRequest, response_format: str, preview_every: int) -> AsyncIterator[str]:
-        def render(item: StepEvent | GenerationResult) -> dict[str, Any]:
-            if isinstance(item, StepEvent):
-                return {"type": "step", **item.model_dump(mode="json", exclude_none=True)}
-            return {"type": "result", **_images_response(item, response_format)}
+    def _sse(
+        self, request: PreparedRequest, response_format: str, preview_every: int, base: str
+    ) -> AsyncIterator[str]:
+        async def items() -> AsyncIterator[dict[str, Any]]:
+            async for item in self.generate_stream(request, preview_every):
+                if isinstance(item, StepEvent):
+                    yield {"type": "step", **item.model_dump(mode="json", exclude_none=True)}
+                else:
+                    urls = await self._urls(item, response_format, base)
+                    yield {"type": "result", **_images_response(item, urls)}
 
-        return sse.frame(self.generate_stream(request, preview_every), render, request.request_id)
+        return sse.frame(items(), dict, request.request_id)
+
+    # ------------------------------------------------------------------ stored outputs and their links
+
+    def _base_url(self, http: Request) -> str:
+        """Where links point: `jobs.public_url`, else the app's own address as the caller sees it."""
+        if self.cfg.jobs.public_url:
+            return self.cfg.jobs.public_url.rstrip("/")
+        return str(http.base_url).rstrip("/")
+
+    def _signed(self, base: str, key: str, name: str) -> str:
+        expires = int(time.time() + self.cfg.jobs.url_ttl_s)
+        signature = sign(self.url_key, f"{key}/{name}", expires)
+        return f"{base}/v1/files/{key}/{name}?expires={expires}&signature={signature}"
+
+    async def _urls(self, result: GenerationResult, response_format: str, base: str) -> list[str] | None:
+        """With `response_format: url`, the result's files are stored and signed links returned."""
+        if response_format != "url":
+            return None
+        names = await asyncio.to_thread(self.store.put_outputs, result.request_id, result)
+        return [self._signed(base, result.request_id, name) for name, _ in names]
+
+    def _present(self, job: JobRecord) -> Job:
+        """A job as its caller sees it: with fresh links to its outputs."""
+        public = job.public()
+        for out in public.outputs:
+            out.url = self._signed(job.base_url, job.id, out.name)
+            out.content_url = f"{job.base_url}/v1/jobs/{job.id}/content/{out.index}"
+        return public
+
+    @app.get("/v1/files/{key}/{name}", include_in_schema=True, responses=_ERRORS)
+    async def stored_file(self, key: str, name: str, expires: int = 0, signature: str = "") -> Response:
+        """A stored output by its signed link (no API key: the signature is the permission)."""
+        if not signature_ok(self.url_key, f"{key}/{name}", expires, signature):
+            raise Forbidden("signature: this link is not valid, or it expired", param="signature")
+        found = await asyncio.to_thread(self.store.get_output, key, name)
+        if found is None:
+            raise NotFound("this file is no longer stored (retention)")
+        return Response(found[0], media_type=found[1], headers={"Cache-Control": "private, max-age=3600"})
+
+    # ------------------------------------------------------------------ asynchronous jobs
+
+    async def _submit_job(self, body, request, http: Request, route: str) -> JSONResponse:
+        """`Prefer: respond-async`: check and prepare now (bad input still gets its 400), store
+        the job, answer 202 with it; the job runs on without the connection."""
+        self.jobs.start()
+        if body.stream:
+            raise InvalidRequest(
+                "stream: an asynchronous job streams from GET /v1/jobs/{id}/events", param="stream"
+            )
+        hook = None
+        if body.webhook is not None:
+            webhooks.check_url(body.webhook, self.cfg.jobs.webhook_hosts)
+            hook = WebhookDelivery(url=body.webhook, events=body.webhook_events or ["completed"])
+        elif body.webhook_events is not None:
+            raise InvalidRequest("webhook_events: given without a webhook", param="webhook_events")
+        key = http.headers.get("idempotency-key")
+        if key is not None and not 1 <= len(key) <= 255:
+            raise InvalidRequest("Idempotency-Key: 1-255 characters", param="Idempotency-Key")
+        caller = _caller(http)
+        job_id = job_id_for(key, caller)
+        digest = body_hash({"route": route, **body.model_dump(mode="json")})
+        if key is not None:
+            existing = await asyncio.to_thread(self.store.load_job, job_id)
+            if existing is not None:
+                if existing.body_hash != digest:
+                    raise Conflict(
+                        "Idempotency-Key: this key was used for another request body", param="Idempotency-Key"
+                    )
+                return self._job_response(existing, 200)
+        await self._ensure_ready()
+        prepared = (await self._prepare(request)).model_copy(update={"request_id": job_id})
+        job = JobRecord(
+            id=job_id,
+            route=route,
+            model=self.cfg.model.served_name,
+            state="queued",
+            created_at=time.time(),
+            request_id=job_id,
+            total_steps=prepared.num_inference_steps,
+            output_format=prepared.output_format,
+            webhook=hook,
+            caller=caller,
+            base_url=self._base_url(http),
+            body_hash=digest,
+        )
+        await self.jobs.submit(job, prepared)
+        return self._job_response(job, 202)
+
+    def _job_response(self, job: JobRecord, status: int) -> JSONResponse:
+        headers = {"Location": f"{job.base_url}/v1/jobs/{job.id}", "Preference-Applied": "respond-async"}
+        return JSONResponse(self._present(job).model_dump(mode="json"), status_code=status, headers=headers)
+
+    async def _job(self, job_id: str, http: Request) -> JobRecord:
+        """The caller's job (404 for another caller's: its existence is not told)."""
+        self.jobs.start()
+        _check_path_id(job_id)
+        job = self.jobs.jobs.get(job_id) or await asyncio.to_thread(self.store.load_job, job_id)
+        if job is None or job.caller != _caller(http):
+            raise NotFound(
+                f"job_id: no job {job_id!r} (finished jobs are kept {self.cfg.jobs.retention_s:g}s)"
+            )
+        return job
+
+    @app.get("/v1/jobs", response_model=JobList, responses=_ERRORS)
+    async def list_jobs(self, http: Request, limit: int = 20) -> JobList:
+        """The caller's jobs, newest first."""
+        if not 1 <= limit <= 1000:
+            raise InvalidRequest("limit: 1..1000", param="limit")
+        self.jobs.start()
+        caller = _caller(http)
+        mine = [j for j in await asyncio.to_thread(self.store.jobs) if j.caller == caller]
+        return JobList(data=[self._present(j) for j in mine[:limit]])
+
+    @app.get("/v1/jobs/{job_id}", response_model=Job, responses=_ERRORS)
+    async def get_job(self, job_id: str, http: Request) -> Job:
+        """A job: queued (with its place in the queue), running (step), done, failed or aborted."""
+        job = await self._job(job_id, http)
+        public = self._present(job)
+        if job.state == "queued":
+            try:
+                state = await asyncio.wait_for(self.request_status(job.request_id), 2.0)
+                public.queue_position = state.queue_position
+            except (ServingError, TimeoutError):
+                pass
+        return public
+
+    @app.get("/v1/jobs/{job_id}/content/{index}", responses=_ERRORS)
+    async def job_content(self, job_id: str, index: int, http: Request) -> Response:
+        """Output `index` of a finished job, with its content type."""
+        job = await self._job(job_id, http)
+        if not 0 <= index < len(job.outputs):
+            why = f"it has {len(job.outputs)} output(s)" if job.state == "done" else f"it is {job.state}"
+            raise NotFound(f"index: job {job_id} has no output {index}: {why}", param="index")
+        found = await asyncio.to_thread(self.store.get_output, job.id, job.outputs[index].name)
+        if found is None:
+            raise NotFound("this file is no longer stored (retention)")
+        return Response(found[0], media_type=found[1])
+
+    @app.delete("/v1/jobs/{job_id}", response_model=Job, responses=_ERRORS)
+    async def delete_job(self, job_id: str, http: Request) -> Response:
+        """Abort an unfinished job (it ends `aborted`); delete a finished one and its outputs."""
+        job = await self._job(job_id, http)
+        if job.finished:
+            await asyncio.to_thread(self.store.delete, job.id)
+            return JSONResponse({"id": job.id, "object": "job", "deleted": True})
+        return JSONResponse(self._present(await self.jobs.abort(job)).model_dump(mode="json"))
+
+    @app.get("/v1/jobs/{job_id}/events", responses={**_ERRORS, 200: {"content": {"text/event-stream": {}}}})
+    async def job_events(self, job_id: str, http: Request) -> StreamingResponse:
+        """The job's events as Server-Sent Events with ids: a step event per step, then the job.
+        A client that reconnects with `Last-Event-ID` gets the events after that one."""
+        job = await self._job(job_id, http)
+        last = http.headers.get("last-event-id") or http.query_params.get("last_event_id") or "0"
+        if not last.isdigit():
+            raise InvalidRequest(
+                "Last-Event-ID: an event id from this stream (a number)", param="Last-Event-ID"
+            )
+
+        async def events() -> AsyncIterator[str]:
+            sent, current = int(last), job
+            while True:
+                for step in range(sent + 1, current.step + 1):
+                    body = {
+                        "type": "step",
+                        "job_id": job_id,
+                        "step": step,
+                        "total_steps": current.total_steps,
+                    }
+                    yield sse.event(body, event_id=str(step))
+                sent = max(sent, current.step)
+                if current.finished:
+                    final = {"type": "job", **self._present(current).model_dump(mode="json")}
+                    yield sse.event(final, event_id=str(current.total_steps + 1))
+                    yield sse.DONE
+                    return
+                await self.jobs.watch(job_id, 0.5)  # a change saved here, or a poll of the store
+                current = self.jobs.jobs.get(job_id) or await asyncio.to_thread(self.store.load_job, job_id)
+                if current is None:
+                    return
+
+        return StreamingResponse(
+            events(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
 
     def _openai_sse(self, request: PreparedRequest, body, kind: str) -> AsyncIterator[str]:
         """OpenAI's image stream, which its SDK parses: `partial_images` previews spread over the
@@ -912,13 +1141,12 @@ class DiffusionIngress:
         return sse.frame(events(), dict, request.request_id)
 
 
-def _images_response(result: GenerationResult, response_format: str) -> dict[str, Any]:
+def _images_response(result: GenerationResult, urls: list[str] | None) -> dict[str, Any]:
+    """The OpenAI body of a result: each image as base64, or as a link when `urls` are given."""
     fmt = result.output_format
     data = []
-    for img, seed, idx in zip(result.images, result.seeds, result.prompt_index, strict=True):
-        b64 = base64.b64encode(img).decode("ascii")
-        url = f"data:{MEDIA_TYPES[fmt]};base64,{b64}"
-        item = {"url": url} if response_format == "url" else {"b64_json": b64}
+    for i, (img, seed, idx) in enumerate(zip(result.images, result.seeds, result.prompt_index, strict=True)):
+        item = {"url": urls[i]} if urls is not None else {"b64_json": base64.b64encode(img).decode("ascii")}
         data.append(ImageData(seed=seed, prompt_index=idx, **item))
     resp = ImagesResponse(
         created=result.created,
@@ -953,6 +1181,17 @@ _ABORT_MESSAGES = {
 
 def _abort_response(request_id: str, outcome: str) -> AbortResponse:
     return AbortResponse(request_id=request_id, result=outcome, message=_ABORT_MESSAGES[outcome])
+
+
+def _prefers_async(http: Request) -> bool:
+    prefer = http.headers.get("prefer", "")
+    return any(p.strip().lower() == "respond-async" for p in prefer.split(","))
+
+
+def _caller(http: Request) -> str:
+    """Whose job it is: a digest of the API key it was sent with ("" without one)."""
+    key = http.headers.get("authorization", "")
+    return hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
 
 
 async def _backoff(failures: list[str]) -> None:

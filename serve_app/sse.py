@@ -15,8 +15,9 @@ logger = logging.getLogger("ray.serve")
 DONE = "data: [DONE]\n\n"
 
 
-def event(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+def event(obj: dict[str, Any], event_id: str | None = None) -> str:
+    head = f"id: {event_id}\n" if event_id is not None else ""
+    return f"{head}data: {json.dumps(obj, separators=(',', ':'))}\n\n"
 
 
 async def frame(

@@ -14,6 +14,7 @@ from serve_app.engine import exported, rpc_methods
 OOM_MARKER = "[[inject-oom]]"
 FAIL_MARKER = "[[inject-failure]]"
 FATAL_MARKER = "[[inject-fatal-device-error]]"
+SLOW_MARKER = "[[slow]]"  # each step of a call holding it takes 0.1 s more
 FATAL_ERROR = "CUDA error: an illegal memory access was encountered (injected)"
 
 
@@ -63,6 +64,13 @@ class FaultInjection:
                 raise RuntimeError("injected engine failure")
             if FATAL_MARKER in row.prompt:
                 raise RuntimeError(FATAL_ERROR)
+        if step_hook is not None and any(SLOW_MARKER in row.prompt for row in rows):
+            inner = step_hook
+
+            def step_hook(i, total, latents):  # a slow model: 0.1 s more per step
+                time.sleep(0.1)
+                return inner(i, total, latents)
+
         return super().run(rows, params, step_hook)
 
 

@@ -49,6 +49,8 @@ TEST_ARGS = {
     # The tests call the admin routes from this machine without a key (the local-demo opt-in);
     # test_auth.py checks that without it they are closed.
     "auth": {"local_admin": True},
+    "jobs": {"store": str(SESSION_DIR / "store"), "webhook_hosts": ["127.0.0.1"], "lease_s": 3,
+             "sweep_interval_s": 0.5, "webhook_secret": "test-webhook-key", "webhook_backoff_s": 0.2},
     "lora": {"registry_path": str(SESSION_DIR / "registry.json"), "allowed_roots": [str(ADAPTER_DIR)],
              "max_loaded": 2, "max_per_request": 2, "max_file_mb": 1},
 }  # fmt: skip

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import base64
 import io
+import re
 
+import httpx
 import numpy as np
 import pytest
 from PIL import Image
@@ -88,12 +90,22 @@ def test_output_formats(client, fmt, magic):
     assert base64.b64decode(body["data"][0]["b64_json"]).startswith(magic)
 
 
-def test_response_format_url_gives_a_data_url(client):
-    body = post_ok(client, GEN, prompt="a", response_format="url", seed=1)
-    url = body["data"][0]["url"]
-    assert url.startswith("data:image/png;base64,")
-    ref = post_ok(client, GEN, prompt="a", seed=1)
-    assert url.split(",", 1)[1] == ref["data"][0]["b64_json"]
+def test_response_format_url_links_to_the_stored_image(client, base_url):
+    """A real link: the stored image over HTTP, signed; a forged or expired link is refused."""
+    body = post_ok(client, GEN, prompt="a", response_format="url", seed=1, n=2)
+    urls = [d["url"] for d in body["data"]]
+    assert all(u.startswith(f"{base_url}/v1/files/{body['request_id']}/") for u in urls), urls
+    ref = post_ok(client, GEN, prompt="a", seed=1, n=2)
+    for url, item in zip(urls, ref["data"], strict=True):
+        got = httpx.get(url)  # a fresh client: no key, no cookies; the signature is the permission
+        assert got.status_code == 200 and got.headers["content-type"] == "image/png"
+        assert got.content == base64.b64decode(item["b64_json"])
+    forged = urls[0].replace("signature=", "signature=0")
+    expired = re.sub(r"expires=\d+", "expires=1", urls[0])
+    other = urls[0].replace("/0.png", "/1.png")  # a valid signature is for its own file only
+    for bad in (forged, expired, other, urls[0].split("?")[0]):
+        r = httpx.get(bad)
+        assert r.status_code == 403 and r.json()["error"]["param"] == "signature", bad
 
 
 def test_latents_and_trajectory(client):

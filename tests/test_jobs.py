@@ -1,0 +1,277 @@
+"""Asynchronous jobs over real HTTP: `Prefer: respond-async`, the job resource, its stored
+outputs, idempotency keys, abort, the reconnectable event stream, webhooks to a receiver on
+loopback, and a job that survives the loss of its replica and of its ingress."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import io
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import httpx
+import numpy as np
+import pytest
+import ray
+from PIL import Image
+
+from serve_app.jobs import Store, sign, signature_ok
+from serve_app.schemas import JobRecord
+from serve_app.testing import SLOW_MARKER
+from tests.conftest import free_port, wait_for
+
+GEN = "/v1/images/generations"
+ASYNC = {"Prefer": "respond-async"}
+
+
+def pixels(png: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.int16)
+
+
+def submit(client, body, path=GEN, headers=None, prefix=""):
+    r = client.post(f"{prefix}{path}", json=body, headers={**ASYNC, **(headers or {})})
+    assert r.status_code in (200, 202), r.text
+    return r
+
+
+def finished(client, job_id, prefix="", timeout=120, headers=None):
+    def done():
+        job = client.get(f"{prefix}/v1/jobs/{job_id}", headers=headers or {}).json()
+        return job if job["state"] in ("done", "failed", "aborted") else None
+
+    return wait_for(done, timeout, 0.1)
+
+
+def test_a_job_answers_at_once_and_keeps_its_result(client):
+    body = {"prompt": "a boat", "seed": 11, "n": 2, "num_inference_steps": 4}
+    r = submit(client, body)
+    job = r.json()
+    assert r.status_code == 202 and job["object"] == "job" and job["id"].startswith("job_")
+    assert job["state"] in ("queued", "running") and r.headers["location"].endswith(f"/v1/jobs/{job['id']}")
+    done = finished(client, job["id"])
+    assert done["state"] == "done" and done["step"] == done["total_steps"] == 4, done
+    assert [o["seed"] for o in done["outputs"]] == [11, 12]
+    plain = client.post(GEN, json=body).json()
+    for out, ref in zip(done["outputs"], plain["data"], strict=True):
+        content = client.get(out["content_url"])
+        assert content.headers["content-type"] == "image/png"
+        assert content.content == base64.b64decode(ref["b64_json"])  # the same image as a plain request
+        assert httpx.get(out["url"]).content == content.content  # the signed link, without a key
+    listed = client.get("/v1/jobs", params={"limit": 50}).json()["data"]
+    assert job["id"] in [j["id"] for j in listed]
+    assert client.get(f"/v1/jobs/{job['id']}/content/2").status_code == 404
+    # Another caller (another key) does not see it.
+    assert client.get(f"/v1/jobs/{job['id']}", headers={"Authorization": "Bearer other"}).status_code == 404
+    # A finished job is deleted with its files.
+    assert client.delete(f"/v1/jobs/{job['id']}").json()["deleted"] is True
+    assert client.get(f"/v1/jobs/{job['id']}").status_code == 404
+    assert httpx.get(done["outputs"][0]["url"]).status_code == 404
+
+
+def test_bad_jobs_are_refused_before_they_are_stored(client):
+    for body, param in [
+        ({"prompt": "a", "num_inference_steps": 999}, "num_inference_steps"),
+        ({"prompt": "a", "webhook": "ftp://127.0.0.1/x"}, "webhook"),
+        ({"prompt": "a", "webhook": "http://example.com/hook"}, "webhook"),  # not an allowed host
+        ({"prompt": "a", "webhook_events": ["completed"]}, "webhook_events"),
+        ({"prompt": "a", "stream": True}, "stream"),
+    ]:
+        r = client.post(GEN, json=body, headers=ASYNC)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+    # A webhook without the asynchronous preference is refused too.
+    r = client.post(GEN, json={"prompt": "a", "webhook": "http://127.0.0.1:9/x"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "webhook"
+    assert client.get("/v1/jobs/job_nope").status_code == 404
+    assert client.get("/v1/jobs/..%2Fetc").status_code in (400, 404)
+
+
+def test_an_idempotency_key_makes_the_same_job(client):
+    key = {"Idempotency-Key": f"k-{time.time_ns()}"}
+    body = {"prompt": "same", "seed": 3, "num_inference_steps": 2}
+    a = submit(client, body, headers=key).json()
+    b = submit(client, body, headers=key)
+    assert b.status_code == 200 and b.json()["id"] == a["id"]
+    clash = client.post(GEN, json={**body, "seed": 4}, headers={**ASYNC, **key})
+    assert clash.status_code == 409 and clash.json()["error"]["param"] == "Idempotency-Key"
+    # The same key from another caller is another job.
+    c = submit(client, body, headers={**key, "Authorization": "Bearer someone-else"}).json()
+    assert c["id"] != a["id"]
+    finished(client, a["id"])
+
+
+def test_abort_a_running_job_and_its_state_says_so(client):
+    job = submit(client, {"prompt": f"long {SLOW_MARKER}", "num_inference_steps": 50}).json()
+    wait_for(lambda: client.get(f"/v1/jobs/{job['id']}").json()["step"] >= 2, 60)
+    r = client.delete(f"/v1/jobs/{job['id']}")
+    assert r.status_code == 200 and r.json()["state"] == "aborted", r.text
+    got = client.get(f"/v1/jobs/{job['id']}").json()
+    assert got["state"] == "aborted" and got["error"]["type"] == "aborted" and got["step"] < 50
+
+
+def read_events(base_url, job_id, last_id=None, stop_after_step=None):
+    """Events of a job's stream as (id, body); stops early after `stop_after_step`."""
+    headers = {"Last-Event-ID": str(last_id)} if last_id is not None else {}
+    out, current = [], None
+    with httpx.stream("GET", f"{base_url}/v1/jobs/{job_id}/events", headers=headers, timeout=60) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("id: "):
+                current = int(line[4:])
+            elif line.startswith("data: ") and line != "data: [DONE]":
+                body = json.loads(line[6:])
+                out.append((current, body))
+                if stop_after_step is not None and body.get("step") == stop_after_step:
+                    break
+    return out
+
+
+def test_a_reconnecting_client_gets_the_events_it_missed(client, base_url):
+    job = submit(client, {"prompt": f"events {SLOW_MARKER}", "num_inference_steps": 12}).json()
+    first = read_events(base_url, job["id"], stop_after_step=3)
+    assert [i for i, _ in first] == [1, 2, 3]
+    rest = read_events(base_url, job["id"], last_id=3)
+    ids = [i for i, _ in rest]
+    assert ids == list(range(4, 14)), ids  # steps 4..12, then the job (id 13)
+    assert rest[-1][1]["type"] == "job" and rest[-1][1]["state"] == "done"
+    again = read_events(base_url, job["id"], last_id=12)  # after the end: only the job
+    assert [b["type"] for _, b in again] == ["job"]
+
+
+class Receiver:
+    """A webhook receiver on loopback: records each call; fails the first `fail_first` calls."""
+
+    def __init__(self, fail_first: int = 0):
+        self.calls: list[tuple[dict, dict]] = []
+        self.fail_first = fail_first
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                receiver.calls.append((dict(self.headers), body))
+                failing = len(receiver.calls) <= receiver.fail_first
+                self.send_response(500 if failing else 204)
+                self.end_headers()
+
+            def log_message(self, *a):
+                pass
+
+        self.server = HTTPServer(("127.0.0.1", free_port()), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_port}/hook"
+
+    def close(self):
+        self.server.shutdown()
+
+
+def test_webhooks_are_signed_retried_and_their_delivery_shown(client):
+    rx = Receiver(fail_first=2)
+    try:
+        body = {"prompt": "hook", "num_inference_steps": 3, "webhook": rx.url,
+                "webhook_events": ["start", "completed"]}  # fmt: skip
+        job = submit(client, body).json()
+        hooked = wait_for(
+            lambda: (j := client.get(f"/v1/jobs/{job['id']}").json())["webhook"]["state"] != "pending" and j,
+            60,
+        )
+        assert hooked["webhook"]["state"] == "delivered", hooked["webhook"]
+        events = [json.loads(b)["event"] for _, b in rx.calls]
+        # "start" is one try (it may meet a failure); "completed" is retried until delivered.
+        assert events[0] == "start" and events.count("completed") == hooked["webhook"]["attempts"]
+        assert hooked["webhook"]["attempts"] >= 2 and hooked["webhook"]["last_status"] == 204
+        headers, raw = rx.calls[-1]
+        stamp = headers["Webhook-Timestamp"]
+        mac = hmac.new(b"test-webhook-key", stamp.encode() + b"." + raw, hashlib.sha256).hexdigest()
+        assert headers["Webhook-Signature"] == f"sha256={mac}"
+        assert json.loads(raw)["job"]["state"] == "done" and json.loads(raw)["job"]["outputs"]
+    finally:
+        rx.close()
+
+
+def test_the_store_prunes_by_age_and_size_and_links_are_signed(tmp_path):
+    store = Store(str(tmp_path / "s"))
+    now = time.time()
+    for i, (age, done) in enumerate([(10, True), (5, True), (1, True), (100, False)]):
+        job = JobRecord(id=f"job_{i}", route="r", model="m", state="done" if done else "running",
+                        created_at=now - age, finished_at=(now - age) if done else None,
+                        request_id=f"job_{i}", output_format="png")  # fmt: skip
+        store.save_job(job)
+        store._write(store._path("objects", job.id, "0.png"), b"x" * 1000)
+    assert store.prune(max_age_s=8, max_bytes=1e9, now=now) == ["job_0"]  # too old
+    gone = store.prune(max_age_s=1e9, max_bytes=3200, now=now)  # 3 jobs of ~1.3 kB
+    assert gone == ["job_1"]  # the oldest finished first; the running one is never pruned
+    assert {j.id for j in store.jobs()} == {"job_2", "job_3"}
+    key = store.secret("url", "NO_SUCH_VARIABLE_SET")
+    assert key == Store(str(tmp_path / "s")).secret("url", "NO_SUCH_VARIABLE_SET")  # shared via the store
+    sig = sign(key, "job_2/0.png", int(now) + 60)
+    assert signature_ok(key, "job_2/0.png", int(now) + 60, sig)
+    assert not signature_ok(key, "job_2/1.png", int(now) + 60, sig)
+    assert not signature_ok(key, "job_2/0.png", int(now) - 1, sign(key, "job_2/0.png", int(now) - 1))
+
+
+def test_webhook_targets_without_an_allow_list():
+    from serve_app.errors import InvalidRequest
+    from serve_app.webhooks import check_url
+
+    check_url("https://hooks.example.com/x", [])
+    for bad in ("http://127.0.0.1/x", "http://localhost:80/", "http://10.1.2.3/", "http://169.254.169.254/",
+                "http://[::1]/", "file:///etc/passwd", "http://host:notaport/"):  # fmt: skip
+        with pytest.raises(InvalidRequest, match="webhook"):
+            check_url(bad, [])
+
+
+@pytest.mark.slow
+def test_jobs_survive_the_loss_of_their_replica_and_of_their_ingress(app_factory, client, base_url):
+    """Kill the replica under one job and the ingress under others: every job still ends done,
+    with the image its seed makes (a resumed job re-runs the stored request)."""
+    app = "jobkill"
+    prefix = app_factory(app, ingress={"max_attempts": 4})
+    wait_for(lambda: client.get(f"{prefix}/health").status_code == 200, 90)
+    body = {"prompt": f"durable {SLOW_MARKER}", "seed": 21, "num_inference_steps": 20}
+    ref = client.post(f"{prefix}{GEN}", json=body).json()["data"][0]["b64_json"]
+
+    def get(path):
+        try:
+            r = client.get(f"{prefix}{path}")
+        except httpx.HTTPError:
+            return None
+        return r.json() if r.status_code == 200 else None
+
+    def actor(kind):
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+        return ray.get_actor(next(n for n in names if n.startswith(f"SERVE_REPLICA::{app}#{kind}#")), "serve")
+
+    def running(job_id):
+        return (get(f"/v1/jobs/{job_id}") or {}).get("step", 0) >= 2
+
+    # The replica dies under a running job: the ingress retries it on the replacement.
+    a = submit(client, body, prefix=prefix).json()
+    wait_for(lambda: running(a["id"]), 60)
+    ray.kill(actor("DiffusionReplica"), no_restart=False)
+    wait_for(lambda: (get(f"/v1/jobs/{a['id']}") or {}).get("state") in ("done", "failed"), 120)
+    # The ingress dies under a running job: after the lease runs out, the restarted ingress
+    # (Serve replaces it) resumes the stored request.
+    wait_for(lambda: client.get(f"{prefix}/health").status_code == 200, 120)
+    b = submit(client, body, prefix=prefix).json()
+    wait_for(lambda: running(b["id"]), 60)
+    ray.kill(actor("DiffusionIngress"), no_restart=False)
+    for job_id in (a["id"], b["id"]):
+        done = wait_for(
+            lambda jid=job_id: (j := get(f"/v1/jobs/{jid}")) and j["state"] in ("done", "failed") and j,
+            180,
+            0.5,
+        )
+        assert done["state"] == "done" and done["attempts"] >= 2, (
+            job_id == a["id"],
+            done["error"],
+            done["attempts"],
+        )
+        image = client.get(f"{prefix}/v1/jobs/{job_id}/content/0").content
+        # The same seed's image; a resumed job may share a pipeline call with its lost attempt,
+        # still running on the replica, and batched rows may differ by a rounding step or two.
+        diff = np.abs(pixels(image) - pixels(base64.b64decode(ref)))
+        assert diff.max() <= 3, (job_id == a["id"], diff.max())
