@@ -30,8 +30,12 @@ class Client:
         self.url = url.rstrip("/")
         self.api_key = api_key
 
-    def _request(self, method: str, path: str, body: dict | None = None):
-        headers = {"Content-Type": "application/json", "Accept": "application/json, text/event-stream"}
+    def _request(self, method: str, path: str, body: dict | None = None, headers: dict | None = None):
+        headers = {
+            "Content-Type": "application/json",
+            "Accept": "application/json, text/event-stream",
+            **(headers or {}),
+        }
         if self.api_key:
             headers["Authorization"] = f"Bearer {self.api_key}"
         data = json.dumps(body).encode() if body is not None else None
@@ -52,13 +56,17 @@ class Client:
                 "(serve run serve_config.yaml)"
             ) from None
 
-    def json(self, method: str, path: str, body: dict | None = None) -> Any:
-        with self._request(method, path, body) as r:
+    def json(self, method: str, path: str, body: dict | None = None, headers: dict | None = None) -> Any:
+        with self._request(method, path, body, headers) as r:
             return json.loads(r.read())
 
-    def stream(self, path: str, body: dict):
-        """Yield the JSON events of a Server-Sent Events answer."""
-        with self._request("POST", path, body) as r:
+    def raw(self, path: str) -> bytes:
+        with self._request("GET", path) as r:
+            return r.read()
+
+    def stream(self, path: str, body: dict | None = None):
+        """Yield the JSON events of a Server-Sent Events answer (POST with a body, else GET)."""
+        with self._request("POST" if body is not None else "GET", path, body) as r:
             for raw in r:
                 line = raw.decode().strip()
                 if not line.startswith("data: "):
@@ -118,7 +126,12 @@ def cmd_edit(c: Client, a: argparse.Namespace) -> None:
 
 
 def _make(c: Client, a: argparse.Namespace, path: str, body: dict[str, Any]) -> None:
-    """Send a generation or an edit as a stream: a progress bar, then the files."""
+    """Send a generation or an edit as a stream: a progress bar, then the files. With
+    `--async`, submit it as a job and print its id (`jobs wait ID` fetches the files later)."""
+    if a.async_job:
+        job = c.json("POST", path, {**body, "stream": False}, {"Prefer": "respond-async"})
+        print(f"{job['id']}  {job['state']}  (diffusion-serve jobs wait {job['id']} -o {a.output})")
+        return
     started = time.monotonic()
     result = None
     for event in c.stream(path, body):
@@ -141,6 +154,50 @@ def _make(c: Client, a: argparse.Namespace, path: str, body: dict[str, Any]) -> 
         print(
             f"{path}  seed {item['seed']}  ({result['request_id']}, {result['metrics']['total_ms']:.0f} ms)"
         )
+
+
+def _job_line(job: dict[str, Any]) -> str:
+    when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(job["created_at"]))
+    progress = f"step {job['step']}/{job['total_steps']}"
+    extra = f"  {job['error']['message']}" if job.get("error") else ""
+    return f"{job['id']}  {job['state']:<8} {progress:<12} {len(job['outputs'])} output(s)  {when}{extra}"
+
+
+def _save_outputs(c: Client, job: dict[str, Any], output: str) -> None:
+    stem, ext = os.path.splitext(output)
+    for out in job["outputs"]:
+        path = output if len(job["outputs"]) == 1 else f"{stem}-{out['index']}{ext}"
+        with open(path, "wb") as f:
+            f.write(c.raw(f"/v1/jobs/{job['id']}/content/{out['index']}"))
+        print(f"{path}  seed {out['seed']}  ({job['id']})")
+
+
+def cmd_jobs(c: Client, a: argparse.Namespace) -> None:
+    if a.jobs_cmd == "list":
+        jobs = c.json("GET", f"/v1/jobs?limit={a.limit}")["data"]
+        if not jobs:
+            print("no jobs")
+        for job in jobs:
+            print(_job_line(job))
+    elif a.jobs_cmd == "get":
+        print(json.dumps(c.json("GET", f"/v1/jobs/{a.id}"), indent=2))
+    elif a.jobs_cmd == "rm":
+        out = c.json("DELETE", f"/v1/jobs/{a.id}")
+        print(f"deleted {a.id}" if out.get("deleted") else f"{a.id}  {out['state']}")
+    elif a.jobs_cmd == "wait":
+        started, job = time.monotonic(), None
+        for event in c.stream(f"/v1/jobs/{a.id}/events"):
+            if event["type"] == "step" and not a.quiet:
+                _progress(event["step"], event["total_steps"], started)
+            elif event["type"] == "job":
+                job = event
+        if not a.quiet:
+            sys.stderr.write("\n")
+        if job is None:
+            raise ClientError("the server closed the job's stream before it ended")
+        if job["state"] != "done":
+            raise ClientError(f"job {a.id} {job['state']}: {(job.get('error') or {}).get('message', '')}")
+        _save_outputs(c, job, a.output)
 
 
 def cmd_lora(c: Client, a: argparse.Namespace) -> None:
@@ -199,6 +256,18 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--format", default="png", choices=["png", "jpeg", "webp"])
         p.add_argument("--lora", action="append", help="NAME or NAME:SCALE; repeat to stack adapters")
         p.add_argument("-q", "--quiet", action="store_true")
+        p.add_argument(
+            "--async", dest="async_job", action="store_true", help="submit as a job, print its id, return"
+        )
+    jo = sub.add_parser("jobs", help="asynchronous jobs: list, get, wait (and save the files), rm")
+    jsub = jo.add_subparsers(dest="jobs_cmd", required=True)
+    jsub.add_parser("list").add_argument("--limit", type=int, default=20)
+    jsub.add_parser("get").add_argument("id")
+    jsub.add_parser("rm", help="abort a job that runs, delete one that ended").add_argument("id")
+    jw = jsub.add_parser("wait", help="follow a job with a progress bar, then save its files")
+    jw.add_argument("id")
+    jw.add_argument("-o", "--output", default="out.png")
+    jw.add_argument("-q", "--quiet", action="store_true")
     lo = sub.add_parser("lora", help="manage LoRA adapters")
     lsub = lo.add_subparsers(dest="lora_cmd", required=True)
     add = lsub.add_parser("add")
@@ -220,7 +289,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     c = Client(a.url, a.api_key)
     try:
-        {"generate": cmd_generate, "edit": cmd_edit, "lora": cmd_lora, "status": cmd_status}[a.cmd](c, a)
+        commands = {"generate": cmd_generate, "edit": cmd_edit, "lora": cmd_lora, "status": cmd_status}
+        {**commands, "jobs": cmd_jobs}[a.cmd](c, a)
     except ClientError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -30,6 +30,23 @@ def test_generate_with_progress_bar_writes_the_image(base_url, tmp_path):
     assert r.returncode == 0 and (tmp_path / "two-0.png").exists() and (tmp_path / "two-1.png").exists()
 
 
+def test_async_jobs_from_the_command_line(base_url, tmp_path):
+    out = tmp_path / "job.png"
+    r = run("generate", "a job", "--async", "--steps", "4", "--seed", "8", "-o", str(out), url=base_url)
+    assert r.returncode == 0, r.stderr
+    job_id = r.stdout.split()[0]
+    assert job_id.startswith("job_") and "jobs wait" in r.stdout
+    r = run("jobs", "wait", job_id, "-o", str(out), url=base_url)
+    assert r.returncode == 0 and "4/4 steps" in r.stderr and f"seed 8  ({job_id})" in r.stdout, r.stderr
+    assert Image.open(out).size == (32, 32)
+    listed = run("jobs", "list", "--limit", "100", url=base_url)
+    assert f"{job_id}  done" in listed.stdout
+    assert '"state": "done"' in run("jobs", "get", job_id, url=base_url).stdout
+    assert f"deleted {job_id}" in run("jobs", "rm", job_id, url=base_url).stdout
+    gone = run("jobs", "get", job_id, url=base_url)
+    assert gone.returncode == 1 and "server answered 404" in gone.stderr
+
+
 def test_edit_and_inpaint_an_image_file(base_url, tmp_path):
     src, mask = tmp_path / "in.png", tmp_path / "mask.png"
     Image.new("RGB", (48, 40), (200, 30, 30)).save(src)
