@@ -177,6 +177,18 @@ def test_video_length_formats_and_refusals(twins, client):
         assert sum(1 for _ in c.decode(video=0)) == 9  # 1 s at 8 fps, at Wan's 4k+1 rule
     url_form = post(client, url, prompt="a boat", num_frames=5, response_format="url")
     assert httpx.get(url_form["data"][0]["url"]).headers["content-type"] == "video/mp4"
+    # A video as an asynchronous job: the stored file comes back with its type.
+    job = client.post(
+        url, json={"prompt": "a boat", "num_frames": 5}, headers={"Prefer": "respond-async"}
+    ).json()
+    done = wait_for(
+        lambda: (
+            (j := client.get(f"{prefix('tiny-wan')}/v1/jobs/{job['id']}").json())["state"] == "done" and j
+        ),
+        60,
+        0.1,
+    )
+    assert client.get(done["outputs"][0]["content_url"]).headers["content-type"] == "video/mp4"
     webp = post(client, url, prompt="a boat", num_frames=5, output_format="webp")
     assert Image.open(io.BytesIO(base64.b64decode(webp["data"][0]["b64_json"]))).n_frames == 5
     for bad, param, words in [
