@@ -94,3 +94,21 @@ def test_edit_an_uploaded_image_with_a_mask(page, base_url, tmp_path):
     size = page.eval_on_selector("#result", natural)
     assert size == [48, 40]  # an edit keeps the image's size
     assert page.text_content("#error") == ""
+
+
+def test_submit_a_job_and_see_it_in_recent_jobs(page, base_url, client):
+    page.goto(base_url + "/")
+    page.fill("#prompt", "a job from the browser")
+    page.fill("#steps", "3")
+    page.fill("#seed", "9")
+    page.click("#submit-job")
+    row = page.wait_for_selector("#jobs tbody tr[data-state=done]", timeout=60_000)
+    job_id = row.get_attribute("data-id")
+    page.wait_for_function(
+        "document.querySelector('#jobs tbody tr[data-state=done] img')?.naturalWidth === 32", timeout=30_000
+    )
+    job = client.get(f"/v1/jobs/{job_id}").json()
+    assert job["state"] == "done" and job["outputs"][0]["seed"] == 9
+    page.click(f"#jobs tbody tr[data-id={job_id}] button")
+    page.wait_for_function(f"!document.querySelector('#jobs tbody tr[data-id={job_id}]')", timeout=10_000)
+    assert client.get(f"/v1/jobs/{job_id}").status_code == 404
