@@ -15,6 +15,7 @@ import math
 import random
 import re
 import time
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -931,8 +932,10 @@ class DiffusionIngress:
         """With `response_format: url`, the result's files are stored and signed links returned."""
         if response_format != "url":
             return None
-        names = await asyncio.to_thread(self.store.put_outputs, result.request_id, result)
-        return [self._signed(base, result.request_id, name) for name, _ in names]
+        # A key of the server's choosing: a request id is the caller's, and could name another's job.
+        key = f"res_{uuid.uuid4().hex}"
+        names = await asyncio.to_thread(self.store.put_outputs, key, result)
+        return [self._signed(base, key, name) for name, _ in names]
 
     def _present(self, job: JobRecord) -> Job:
         """A job as its caller sees it: with fresh links to its outputs."""
@@ -945,7 +948,9 @@ class DiffusionIngress:
     @app.get("/v1/files/{key}/{name}", include_in_schema=True, responses=_ERRORS)
     async def stored_file(self, key: str, name: str, expires: int = 0, signature: str = "") -> Response:
         """A stored output by its signed link (no API key: the signature is the permission)."""
-        if not signature_ok(self.url_key, f"{key}/{name}", expires, signature):
+        if not STORED_KEY.fullmatch(key) or not signature_ok(
+            self.url_key, f"{key}/{name}", expires, signature
+        ):
             raise Forbidden("signature: this link is not valid, or it expired", param="signature")
         found = await asyncio.to_thread(self.store.get_output, key, name)
         if found is None:
@@ -1008,7 +1013,10 @@ class DiffusionIngress:
     async def _job(self, job_id: str, http: Request) -> JobRecord:
         """The caller's job (404 for another caller's: its existence is not told)."""
         self.jobs.start()
-        _check_path_id(job_id)
+        if not JOB_ID.fullmatch(job_id):
+            raise NotFound(
+                f"job_id: no job {job_id[:80]!r}: job ids look like job_<32 hex digits>", param="job_id"
+            )
         job = self.jobs.jobs.get(job_id) or await asyncio.to_thread(self.store.load_job, job_id)
         if job is None or job.caller != _caller(http):
             raise NotFound(
@@ -1181,6 +1189,10 @@ _ABORT_MESSAGES = {
 
 def _abort_response(request_id: str, outcome: str) -> AbortResponse:
     return AbortResponse(request_id=request_id, result=outcome, message=_ABORT_MESSAGES[outcome])
+
+
+JOB_ID = re.compile(r"job_[0-9a-f]{32}")
+STORED_KEY = re.compile(r"(job|res)_[0-9a-f]{32}")
 
 
 def _prefers_async(http: Request) -> bool:

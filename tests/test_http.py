@@ -94,7 +94,7 @@ def test_response_format_url_links_to_the_stored_image(client, base_url):
     """A real link: the stored image over HTTP, signed; a forged or expired link is refused."""
     body = post_ok(client, GEN, prompt="a", response_format="url", seed=1, n=2)
     urls = [d["url"] for d in body["data"]]
-    assert all(u.startswith(f"{base_url}/v1/files/{body['request_id']}/") for u in urls), urls
+    assert all(u.startswith(f"{base_url}/v1/files/res_") for u in urls), urls
     ref = post_ok(client, GEN, prompt="a", seed=1, n=2)
     for url, item in zip(urls, ref["data"], strict=True):
         got = httpx.get(url)  # a fresh client: no key, no cookies; the signature is the permission

@@ -61,6 +61,14 @@ def test_a_job_answers_at_once_and_keeps_its_result(client):
         assert content.headers["content-type"] == "image/png"
         assert content.content == base64.b64decode(ref["b64_json"])  # the same image as a plain request
         assert httpx.get(out["url"]).content == content.content  # the signed link, without a key
+    # A caller naming its request after the job cannot touch the job's stored files.
+    hostile = {"prompt": "overwrite", "request_id": job["id"], "response_format": "url"}
+    assert client.post(GEN, json=hostile).status_code == 200
+    assert client.get(done["outputs"][0]["content_url"]).content == base64.b64decode(
+        plain["data"][0]["b64_json"]
+    )
+    for bad in ("..", "job_..", "job_" + "0" * 32 + "/../x"):
+        assert client.get(f"/v1/jobs/{bad}").status_code == 404
     listed = client.get("/v1/jobs", params={"limit": 50}).json()["data"]
     assert job["id"] in [j["id"] for j in listed]
     assert client.get(f"/v1/jobs/{job['id']}/content/2").status_code == 404
