@@ -66,6 +66,10 @@ class AccessPolicy:
     def keys_required(self) -> bool:
         return bool(self.user_keys or self.admin_keys)
 
+    def bearer(self, authorization: str) -> str:
+        """The key of an `Authorization: Bearer <key>` header ("" without one)."""
+        return self._bearer(authorization) or ""
+
     def _bearer(self, authorization: str) -> str | None:
         scheme, _, key = authorization.partition(" ")
         return key.strip() if scheme.lower() == "bearer" and key.strip() else None

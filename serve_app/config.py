@@ -335,6 +335,9 @@ class JobsConfig(_Strict):
         description="A running job whose ingress has not renewed it this long is resumed by another.",
     )
     sweep_interval_s: float = Field(2.0, gt=0, description="How often an ingress renews, resumes and prunes.")
+    max_resumes: int = Field(
+        3, ge=0, description="Times a job is taken over after its ingress went away; then it fails."
+    )
     webhook_hosts: list[str] = Field(
         default_factory=list,
         description="Hosts webhooks may call; empty: any host except loopback, private and link-local.",

@@ -9,6 +9,7 @@ and no torch here.
 import asyncio
 import base64
 import hashlib
+import hmac
 import json
 import logging
 import math
@@ -44,7 +45,7 @@ from serve_app.errors import (
     Unavailable,
 )
 from serve_app.inputs import prepare_inputs
-from serve_app.jobs import JobRunner, Store, body_hash, job_id_for, sign, signature_ok
+from serve_app.jobs import JobRunner, Store, body_hash, job_id_for, new_job_request_id, sign, signature_ok
 from serve_app.lora import Registry, check_adapter_file, check_name, shown_path
 from serve_app.schemas import (
     IMAGE_FORMATS,
@@ -955,7 +956,8 @@ class DiffusionIngress:
         found = await asyncio.to_thread(self.store.get_output, key, name)
         if found is None:
             raise NotFound("this file is no longer stored (retention)")
-        return Response(found[0], media_type=found[1], headers={"Cache-Control": "private, max-age=3600"})
+        age = max(0, min(expires - int(time.time()), 3600))
+        return Response(found[0], media_type=found[1], headers={"Cache-Control": f"private, max-age={age}"})
 
     # ------------------------------------------------------------------ asynchronous jobs
 
@@ -976,26 +978,20 @@ class DiffusionIngress:
         key = http.headers.get("idempotency-key")
         if key is not None and not 1 <= len(key) <= 255:
             raise InvalidRequest("Idempotency-Key: 1-255 characters", param="Idempotency-Key")
-        caller = _caller(http)
+        caller = self._caller(http)
         job_id = job_id_for(key, caller)
         digest = body_hash({"route": route, **body.model_dump(mode="json")})
-        if key is not None:
-            existing = await asyncio.to_thread(self.store.load_job, job_id)
-            if existing is not None:
-                if existing.body_hash != digest:
-                    raise Conflict(
-                        "Idempotency-Key: this key was used for another request body", param="Idempotency-Key"
-                    )
-                return self._job_response(existing, 200)
+        if key is not None and (existing := await asyncio.to_thread(self.store.load_job, job_id)):
+            return self._same_job(existing, digest)
         await self._ensure_ready()
-        prepared = (await self._prepare(request)).model_copy(update={"request_id": job_id})
+        prepared = (await self._prepare(request)).model_copy(update={"request_id": new_job_request_id()})
         job = JobRecord(
             id=job_id,
             route=route,
             model=self.cfg.model.served_name,
             state="queued",
             created_at=time.time(),
-            request_id=job_id,
+            request_id=prepared.request_id,
             total_steps=prepared.num_inference_steps,
             output_format=prepared.output_format,
             webhook=hook,
@@ -1003,8 +999,23 @@ class DiffusionIngress:
             base_url=self._base_url(http),
             body_hash=digest,
         )
-        await self.jobs.submit(job, prepared)
+        if await self.jobs.submit(job, prepared) is None:  # the same key, sent twice at once
+            return self._same_job(await asyncio.to_thread(self.store.load_job, job_id), digest)
         return self._job_response(job, 202)
+
+    def _same_job(self, existing: JobRecord, digest: str) -> JSONResponse:
+        """An idempotency key sent again: the job it made, if the body is the same."""
+        if existing.body_hash != digest:
+            raise Conflict(
+                "Idempotency-Key: this key was used for another request body", param="Idempotency-Key"
+            )
+        return self._job_response(existing, 200)
+
+    def _caller(self, http: Request) -> str:
+        """Whose job it is: a keyed digest of the API key it was sent with ("" without one), so
+        records on the store name no key, and `bearer K` and `Bearer K` are one caller."""
+        key = self.access.bearer(http.headers.get("authorization", ""))
+        return hmac.new(self.url_key, key.encode(), hashlib.sha256).hexdigest()[:32] if key else ""
 
     def _job_response(self, job: JobRecord, status: int) -> JSONResponse:
         headers = {"Location": f"{job.base_url}/v1/jobs/{job.id}", "Preference-Applied": "respond-async"}
@@ -1018,9 +1029,10 @@ class DiffusionIngress:
                 f"job_id: no job {job_id[:80]!r}: job ids look like job_<32 hex digits>", param="job_id"
             )
         job = self.jobs.jobs.get(job_id) or await asyncio.to_thread(self.store.load_job, job_id)
-        if job is None or job.caller != _caller(http):
+        if job is None or job.caller != self._caller(http):
             raise NotFound(
-                f"job_id: no job {job_id!r} (finished jobs are kept {self.cfg.jobs.retention_s:g}s)"
+                f"job_id: no job {job_id!r} (finished jobs are kept {self.cfg.jobs.retention_s:g}s)",
+                param="job_id",
             )
         return job
 
@@ -1030,7 +1042,7 @@ class DiffusionIngress:
         if not 1 <= limit <= 1000:
             raise InvalidRequest("limit: 1..1000", param="limit")
         self.jobs.start()
-        caller = _caller(http)
+        caller = self._caller(http)
         mine = [j for j in await asyncio.to_thread(self.store.jobs) if j.caller == caller]
         return JobList(data=[self._present(j) for j in mine[:limit]])
 
@@ -1074,14 +1086,22 @@ class DiffusionIngress:
         A client that reconnects with `Last-Event-ID` gets the events after that one."""
         job = await self._job(job_id, http)
         last = http.headers.get("last-event-id") or http.query_params.get("last_event_id") or "0"
-        if not last.isdigit():
+        if not re.fullmatch(r"[0-9]{1,9}", last):
             raise InvalidRequest(
                 "Last-Event-ID: an event id from this stream (a number)", param="Last-Event-ID"
             )
 
         async def events() -> AsyncIterator[str]:
             sent, current = int(last), job
+            started = quiet_since = time.monotonic()
             while True:
+                if time.monotonic() - started > _EVENTS_MAX_S:
+                    return  # a client following a long job reconnects with Last-Event-ID
+                if time.monotonic() - quiet_since > 15:
+                    quiet_since = time.monotonic()
+                    yield ": keep-alive\n\n"  # a comment: proxies keep the connection open
+                if current.step > sent:
+                    quiet_since = time.monotonic()
                 for step in range(sent + 1, current.step + 1):
                     body = {
                         "type": "step",
@@ -1191,6 +1211,7 @@ def _abort_response(request_id: str, outcome: str) -> AbortResponse:
     return AbortResponse(request_id=request_id, result=outcome, message=_ABORT_MESSAGES[outcome])
 
 
+_EVENTS_MAX_S = 600  # one job event stream; then the client reconnects
 JOB_ID = re.compile(r"job_[0-9a-f]{32}")
 STORED_KEY = re.compile(r"(job|res)_[0-9a-f]{32}")
 
@@ -1198,12 +1219,6 @@ STORED_KEY = re.compile(r"(job|res)_[0-9a-f]{32}")
 def _prefers_async(http: Request) -> bool:
     prefer = http.headers.get("prefer", "")
     return any(p.strip().lower() == "respond-async" for p in prefer.split(","))
-
-
-def _caller(http: Request) -> str:
-    """Whose job it is: a digest of the API key it was sent with ("" without one)."""
-    key = http.headers.get("authorization", "")
-    return hashlib.sha256(key.encode()).hexdigest()[:16] if key else ""
 
 
 async def _backoff(failures: list[str]) -> None:

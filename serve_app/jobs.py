@@ -73,6 +73,21 @@ class Store:
             f.write(data)
         self.fs.mv(tmp, path)
 
+    def _create(self, path: str, data: bytes) -> bool:
+        """Write `path` only if nothing is there yet (True), else leave it (False): the one
+        writer that wins a race is the only one that gets True."""
+        try:
+            with self.fs.open(path, "xb") as f:
+                f.write(data)
+            return True
+        except FileExistsError:
+            return False
+        except (ValueError, NotImplementedError):  # a file system without exclusive create
+            if self.fs.exists(path):
+                return False
+            self._write(path, data)
+            return True
+
     def _read(self, path: str) -> bytes | None:
         try:
             with self.fs.open(path, "rb") as f:
@@ -88,17 +103,19 @@ class Store:
         if os.environ.get(env):
             return os.environ[env].encode()
         path = self._path(f"{name}.key")
-        key = self._read(path)
-        if key is None:
-            self._write(path, secrets.token_hex(32).encode())
-            key = self._read(path)
-        return key
+        self._create(path, secrets.token_hex(32).encode())  # the first ingress's key is everyone's
+        return self._read(path)
 
     # ------------------------------------------------------------------ jobs
 
     def save_job(self, job: JobRecord) -> None:
         self.fs.makedirs(self._path("objects", job.id), exist_ok=True)
         self._write(self._path("objects", job.id, "job.json"), job.model_dump_json().encode())
+
+    def create_job(self, job: JobRecord) -> bool:
+        """Store a new job; False if a job with its id exists (an idempotency key reused)."""
+        self.fs.makedirs(self._path("objects", job.id), exist_ok=True)
+        return self._create(self._path("objects", job.id, "job.json"), job.model_dump_json().encode())
 
     def load_job(self, job_id: str) -> JobRecord | None:
         data = self._read(self._path("objects", job_id, "job.json"))
@@ -110,6 +127,19 @@ class Store:
             if key.startswith(JOB_PREFIX) and (job := self.load_job(key)) is not None:
                 out.append(job)
         return sorted(out, key=lambda j: j.created_at, reverse=True)
+
+    def renew(self, job_id: str, owner: str, until: float) -> None:
+        """The lease: its owner promises to renew it before `until` (a file of its own, so that
+        renewing never rewrites the job's record)."""
+        self._write(self._path("objects", job_id, "lease.json"), json.dumps([owner, until]).encode())
+
+    def lease(self, job_id: str) -> tuple[str, float] | None:
+        data = self._read(self._path("objects", job_id, "lease.json"))
+        return tuple(json.loads(data)) if data is not None else None
+
+    def claim(self, job_id: str, attempt: int, owner: str) -> bool:
+        """Take over attempt `attempt` of a job: only one ingress wins it."""
+        return self._create(self._path("objects", job_id, f"claim.{attempt}"), owner.encode())
 
     def save_request(self, job_id: str, request: PreparedRequest) -> None:
         self.fs.makedirs(self._path("objects", job_id), exist_ok=True)
@@ -124,13 +154,14 @@ class Store:
     def put_outputs(self, key: str, result: GenerationResult) -> list[tuple[str, int]]:
         """Store a result's files under `key`; (file name, size) of each, in order."""
         self.fs.makedirs(self._path("objects", key), exist_ok=True)
+        # The date first: retention must never take files being written for an old one.
+        meta = {"created": time.time(), "format": result.output_format, "count": len(result.images)}
+        self._write(self._path("objects", key, "meta.json"), json.dumps(meta).encode())
         names = []
         for i, data in enumerate(result.images):
             name = f"{i}.{result.output_format}"
             self._write(self._path("objects", key, name), data)
             names.append((name, len(data)))
-        meta = {"created": time.time(), "format": result.output_format, "count": len(names)}
-        self._write(self._path("objects", key, "meta.json"), json.dumps(meta).encode())
         return names
 
     def get_output(self, key: str, name: str) -> tuple[bytes, str] | None:
@@ -168,8 +199,9 @@ class Store:
                 out.append((key, job.finished_at or job.created_at, size, job.finished))
                 continue
             meta = self._read(self._path("objects", key, "meta.json"))
-            created = json.loads(meta)["created"] if meta else 0.0
-            out.append((key, created, size, True))
+            # No date yet: just created (or a job's record still being written); keep it.
+            created = json.loads(meta)["created"] if meta else time.time()
+            out.append((key, created, size, meta is not None or not key.startswith(JOB_PREFIX)))
         return out
 
     def prune(self, max_age_s: float, max_bytes: float, now: float | None = None) -> list[str]:
@@ -208,8 +240,20 @@ def signature_ok(key: bytes, path: str, expires: int, signature: str, now: float
 Stream = Callable[[PreparedRequest], AsyncIterator[StepEvent | GenerationResult]]
 
 
+def new_job_request_id() -> str:
+    """The request id of one attempt of a job: random, so that knowing a job's id (a webhook
+    receiver does) gives no handle on its requests."""
+    return f"jr_{uuid.uuid4().hex}"
+
+
 class JobRunner:
-    """Runs this ingress's jobs; renews, resumes and prunes in the background."""
+    """Runs this ingress's jobs; renews their leases, resumes orphaned ones, prunes the store.
+
+    Who runs a job is decided by files of the store, not by the record: the lease (renewed by
+    its owner), and for each attempt after the first a claim file only one ingress can create.
+    A record is never written back over a finished one by a runner that does not own the job,
+    and an owner that finds its job finished or taken by another stops running it.
+    """
 
     def __init__(
         self,
@@ -224,9 +268,12 @@ class JobRunner:
         self.owner = uuid.uuid4().hex[:12]
         self.jobs: dict[str, JobRecord] = {}  # the jobs this ingress runs, as it last saved them
         self.tasks: dict[str, asyncio.Task] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._hooks: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
         self._changed: dict[str, asyncio.Event] = {}
         self.webhook_key = b""
+        self.public_only = not cfg.webhook_hosts  # no allow-list: webhooks reach public addresses only
 
     def start(self) -> None:
         """Start the background loop (renew, resume, prune); call from the event loop."""
@@ -237,15 +284,19 @@ class JobRunner:
 
     # ------------------------------------------------------------------ submit, abort, watch
 
-    async def submit(self, job: JobRecord, request: PreparedRequest) -> JobRecord:
-        job.owner, job.lease_until = self.owner, time.time() + self.cfg.lease_s
+    async def submit(self, job: JobRecord, request: PreparedRequest) -> JobRecord | None:
+        """Store and start a new job; None if a job with its id exists already."""
+        job.owner = self.owner
         await asyncio.to_thread(self.store.save_request, job.id, request)
-        await self._save(job)
+        if not await asyncio.to_thread(self.store.create_job, job):
+            return None
+        await asyncio.to_thread(self.store.renew, job.id, self.owner, time.time() + self.cfg.lease_s)
         self._run(job, request)
         return job
 
     async def abort(self, job: JobRecord) -> JobRecord:
-        """Abort an unfinished job: its replica request stops, and the job ends `aborted`."""
+        """Abort an unfinished job: its replica request stops, and the job ends `aborted`,
+        whichever ingress runs it (that one sees the record finished and stops)."""
         await self.abort_request(job.request_id)
         task = self.tasks.get(job.id)
         if task is not None:
@@ -253,13 +304,13 @@ class JobRunner:
                 await asyncio.wait_for(asyncio.shield(task), 5.0)
             except TimeoutError:
                 task.cancel()
-        current = self.jobs.get(job.id) or await asyncio.to_thread(self.store.load_job, job.id) or job
+        current = await asyncio.to_thread(self.store.load_job, job.id) or job
         if not current.finished:
             current.state, current.finished_at = "aborted", time.time()
             current.error = Aborted("aborted by DELETE /v1/jobs", request_id=job.request_id).to_body()[
                 "error"
             ]
-            await self._save(current)
+            await self._save(current, force=True)
         return current
 
     async def watch(self, job_id: str, timeout: float) -> None:
@@ -270,15 +321,30 @@ class JobRunner:
         except TimeoutError:
             pass
 
-    async def _save(self, job: JobRecord) -> None:
-        if job.owner == self.owner and not job.finished:
-            self.jobs[job.id] = job
-        else:
+    async def _save(self, job: JobRecord, force: bool = False) -> bool:
+        """Write the record, unless (without `force`) the job is gone (deleted, pruned), finished,
+        or taken over by another ingress: then this ingress stops running it. Saves of one job
+        go one at a time."""
+        async with self._locks.setdefault(job.id, asyncio.Lock()):
+            if not force:
+                stored = await asyncio.to_thread(self.store.load_job, job.id)
+                if stored is None or stored.owner != self.owner or (stored.finished and not job.finished):
+                    self._drop(job.id)
+                    return False
+            await asyncio.to_thread(self.store.save_job, job)
+        if job.finished:
             self.jobs.pop(job.id, None)
-        await asyncio.to_thread(self.store.save_job, job)
         event = self._changed.pop(job.id, None)
         if event is not None:
             event.set()
+        return True
+
+    def _drop(self, job_id: str) -> None:
+        """Stop running a job this ingress no longer owns (the caller's result is elsewhere)."""
+        self.jobs.pop(job_id, None)
+        task = self.tasks.get(job_id)
+        if task is not None and task is not asyncio.current_task():
+            task.cancel()
 
     # ------------------------------------------------------------------ running
 
@@ -286,7 +352,12 @@ class JobRunner:
         self.jobs[job.id] = job
         task = asyncio.ensure_future(self._execute(job, request))
         self.tasks[job.id] = task
-        task.add_done_callback(lambda _: self.tasks.pop(job.id, None))
+
+        def done(t: asyncio.Task) -> None:
+            if self.tasks.get(job.id) is t:
+                del self.tasks[job.id]
+
+        task.add_done_callback(done)
 
     async def _execute(self, job: JobRecord, request: PreparedRequest) -> None:
         last_save = 0.0
@@ -298,11 +369,12 @@ class JobRunner:
                     job.queue_position = None
                     if first:
                         job.started_at = time.time()
-                        self._notify(job, "start")
                     if first or time.monotonic() - last_save > 0.2 or item.step == item.total_steps:
                         last_save = time.monotonic()
-                        await self._save(job)
-                        self._notify(job, "progress")
+                        if not await self._save(job):
+                            await self.abort_request(request.request_id)  # this attempt's own id
+                            return
+                        self._notify(job, "start" if first else "progress")
                     continue
                 names = await asyncio.to_thread(self.store.put_outputs, job.id, item)
                 job.outputs = [
@@ -322,7 +394,7 @@ class JobRunner:
                 job.attempts += item.attempts - 1
                 job.state, job.finished_at = "done", time.time()
         except asyncio.CancelledError:
-            raise  # the ingress is going away: the job's lease runs out and another resumes it
+            raise  # the ingress is going away (its lease runs out, another resumes the job)
         except ServingError as e:
             job.state = "aborted" if isinstance(e, Aborted) else "failed"
             job.error, job.finished_at = e.to_body()["error"], time.time()
@@ -333,8 +405,8 @@ class JobRunner:
         if not job.finished:  # the stream ended without a result
             job.state, job.finished_at = "failed", time.time()
             job.error = ServingError("the request ended without a result").to_body()["error"]
-        await self._save(job)
-        self._notify(job, "completed")
+        if await self._save(job):
+            self._notify(job, "completed")
 
     # ------------------------------------------------------------------ webhooks
 
@@ -343,10 +415,18 @@ class JobRunner:
         if hook is None or event not in hook.events:
             return
         if event == "completed":
-            asyncio.ensure_future(self._deliver_final(job))
+            coro = self._deliver_final(job)
+        elif any(not t.done() for t in self._hooks if t.get_name() == job.id):
+            return  # one progress call in flight per job at most
         else:  # start and progress: one try each, never blocking the job
             body = webhooks.payload(event, self.present(job))
-            asyncio.ensure_future(webhooks.post(hook.url, body, self.webhook_key, self.cfg.webhook_timeout_s))
+            coro = webhooks.post(
+                hook.url, body, self.webhook_key, self.cfg.webhook_timeout_s, self.public_only
+            )
+        task = asyncio.ensure_future(coro)
+        task.set_name(job.id)
+        self._hooks.add(task)
+        task.add_done_callback(self._hooks.discard)
 
     async def _deliver_final(self, job: JobRecord) -> None:
         hook = job.webhook
@@ -354,7 +434,9 @@ class JobRunner:
         delay = self.cfg.webhook_backoff_s
         while hook.attempts < self.cfg.webhook_max_attempts:
             hook.attempts += 1
-            status, error = await webhooks.post(hook.url, body, self.webhook_key, self.cfg.webhook_timeout_s)
+            status, error = await webhooks.post(
+                hook.url, body, self.webhook_key, self.cfg.webhook_timeout_s, self.public_only
+            )
             hook.last_status, hook.last_error = status, error
             if status is not None and 200 <= status < 300:
                 hook.state = "delivered"
@@ -364,7 +446,7 @@ class JobRunner:
                 delay *= 2
         else:
             hook.state = "failed"
-        await self._save(job)
+        await self._save(job)  # not if the job was deleted meanwhile
 
     # ------------------------------------------------------------------ background: renew, resume, prune
 
@@ -384,30 +466,43 @@ class JobRunner:
 
     async def _renew(self) -> None:
         until = time.time() + self.cfg.lease_s
-        for job in list(self.jobs.values()):
-            if not job.finished and job.id in self.tasks:
-                job.lease_until = until
-                await self._save(job)
+        for job_id in list(self.tasks):
+            lease = await asyncio.to_thread(self.store.lease, job_id)
+            if lease is not None and lease[0] != self.owner:
+                self._drop(job_id)  # another ingress took it over (this one was too slow)
+                continue
+            await asyncio.to_thread(self.store.renew, job_id, self.owner, until)
 
     async def _resume_orphans(self) -> None:
-        """Take over unfinished jobs whose owner stopped renewing them, and run them again."""
+        """Take over unfinished jobs whose owner stopped renewing their lease, and run them again."""
         now = time.time()
-        for job in await asyncio.to_thread(self.store.jobs):
-            if job.finished or job.lease_until > now or job.id in self.tasks:
+        keys = await asyncio.to_thread(self.store.keys)
+        for job_id in keys:
+            if not job_id.startswith(JOB_PREFIX) or job_id in self.tasks:
                 continue
-            request = await asyncio.to_thread(self.store.load_request, job.id)
-            if request is None:
+            lease = await asyncio.to_thread(self.store.lease, job_id)
+            if lease is not None and lease[1] > now:
                 continue
-            job.owner, job.lease_until = self.owner, now + self.cfg.lease_s
-            await asyncio.to_thread(self.store.save_job, job)
-            await asyncio.sleep(0.2)  # another ingress may have claimed it at the same moment
-            again = await asyncio.to_thread(self.store.load_job, job.id)
-            if again is None or again.owner != self.owner:
+            job = await asyncio.to_thread(self.store.load_job, job_id)  # read now, not from a listing
+            if job is None or job.finished:
+                continue
+            request = await asyncio.to_thread(self.store.load_request, job_id)
+            attempt = job.attempts + 1
+            if request is None or not await asyncio.to_thread(self.store.claim, job_id, attempt, self.owner):
+                continue  # another ingress won this attempt
+            await asyncio.to_thread(self.store.renew, job_id, self.owner, now + self.cfg.lease_s)
+            job.owner, job.attempts = self.owner, attempt
+            if attempt > 1 + self.cfg.max_resumes:
+                job.state, job.finished_at = "failed", time.time()
+                job.error = ServingError(
+                    f"its ingress went away {attempt - 1} times; not resumed again", request_id=job.request_id
+                ).to_body()["error"]
+                await self._save(job, force=True)
+                self._notify(job, "completed")
                 continue
             # A new request id: the lost attempt may still be known to a replica under the old one.
-            job.attempts += 1
-            job.request_id = f"{job.id}.{job.attempts}"
+            job.request_id = new_job_request_id()
             job.state, job.step, job.started_at = "queued", 0, None
-            logger.warning("job %s: its ingress went away; resuming it (attempt %d)", job.id, job.attempts)
-            await self._save(job)
+            logger.warning("job %s: its ingress went away; resuming it (attempt %d)", job_id, attempt)
+            await self._save(job, force=True)
             self._run(job, request.model_copy(update={"request_id": job.request_id}))

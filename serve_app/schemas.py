@@ -807,7 +807,6 @@ class JobRecord(Job):
     owner: str | None = Field(None, description="The ingress instance running it.")
     caller: str = Field("", description="A digest of the submitting API key: only it sees the job.")
     base_url: str = Field("", description="Where the links of its outputs point.")
-    lease_until: float = Field(0.0, description="Until when its owner has promised to renew it.")
     body_hash: str | None = Field(None, description="Of the submitted body, for idempotency keys.")
 
     def public(self) -> Job:

@@ -4,6 +4,7 @@ loopback, and a job that survives the loss of its replica and of its ingress."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import hashlib
 import hmac
@@ -72,8 +73,12 @@ def test_a_job_answers_at_once_and_keeps_its_result(client):
     listed = client.get("/v1/jobs", params={"limit": 50}).json()["data"]
     assert job["id"] in [j["id"] for j in listed]
     assert client.get(f"/v1/jobs/{job['id']}/content/2").status_code == 404
-    # Another caller (another key) does not see it.
-    assert client.get(f"/v1/jobs/{job['id']}", headers={"Authorization": "Bearer other"}).status_code == 404
+    # Another caller (another key) can neither see, read, follow nor delete it.
+    other = {"Authorization": "Bearer other"}
+    for method, path in [("GET", ""), ("GET", "/content/0"), ("GET", "/events"), ("DELETE", "")]:
+        r = client.request(method, f"/v1/jobs/{job['id']}{path}", headers=other)
+        assert r.status_code == 404 and r.json()["error"]["param"] == "job_id", (method, path)
+    assert client.get(f"/v1/jobs/{job['id']}/events", params={"last_event_id": "²"}).status_code == 400
     # A finished job is deleted with its files.
     assert client.delete(f"/v1/jobs/{job['id']}").json()["deleted"] is True
     assert client.get(f"/v1/jobs/{job['id']}").status_code == 404
@@ -198,6 +203,20 @@ def test_webhooks_are_signed_retried_and_their_delivery_shown(client):
         assert json.loads(raw)["job"]["state"] == "done" and json.loads(raw)["job"]["outputs"]
     finally:
         rx.close()
+    # A receiver that never answers well: the delivery ends failed after its attempts.
+    down = Receiver(fail_first=1000)
+    try:
+        job = submit(client, {"prompt": "hook", "num_inference_steps": 2, "webhook": down.url}).json()
+        hooked = wait_for(
+            lambda: (j := client.get(f"/v1/jobs/{job['id']}").json())["webhook"]["state"] != "pending" and j,
+            60,
+        )
+        assert hooked["webhook"]["state"] == "failed" and hooked["webhook"]["attempts"] == 5, hooked[
+            "webhook"
+        ]
+        assert hooked["webhook"]["last_status"] == 500 and len(down.calls) == 5
+    finally:
+        down.close()
 
 
 def test_the_store_prunes_by_age_and_size_and_links_are_signed(tmp_path):
@@ -223,13 +242,25 @@ def test_the_store_prunes_by_age_and_size_and_links_are_signed(tmp_path):
 
 def test_webhook_targets_without_an_allow_list():
     from serve_app.errors import InvalidRequest
-    from serve_app.webhooks import check_url
+    from serve_app.webhooks import check_url, post
 
     check_url("https://hooks.example.com/x", [])
+    check_url("http://cafe.de/hook", [])  # hex-looking letters are still a name
     for bad in ("http://127.0.0.1/x", "http://localhost:80/", "http://10.1.2.3/", "http://169.254.169.254/",
-                "http://[::1]/", "file:///etc/passwd", "http://host:notaport/"):  # fmt: skip
+                "http://[::1]/", "file:///etc/passwd", "http://host:notaport/", "http://2130706433/",
+                "http://0x7f000001/", "http://0177.0.0.1/", "http://127.1/", "http://100.64.0.1/",
+                "http://[::ffff:127.0.0.1]/", "http://224.0.0.1/"):  # fmt: skip
         with pytest.raises(InvalidRequest, match="webhook"):
             check_url(bad, [])
+    # A name that resolves to an internal address is refused when the call is made.
+    rx = Receiver()
+    try:
+        by_name = rx.url.replace("127.0.0.1", "localhost")
+        status, error = asyncio.run(post(by_name, b"{}", b"", 5.0, True))
+        assert status is None and error and not rx.calls
+        assert asyncio.run(post(by_name, b"{}", b"", 5.0, False))[0] == 204  # with an allow-list
+    finally:
+        rx.close()
 
 
 @pytest.mark.slow
