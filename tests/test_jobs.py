@@ -268,7 +268,7 @@ def test_jobs_survive_the_loss_of_their_replica_and_of_their_ingress(app_factory
     """Kill the replica under one job and the ingress under others: every job still ends done,
     with the image its seed makes (a resumed job re-runs the stored request)."""
     app = "jobkill"
-    prefix = app_factory(app, ingress={"max_attempts": 4})
+    prefix = app_factory(app, ingress={"max_attempts": 4}, replica={"num_replicas": 2})
     wait_for(lambda: client.get(f"{prefix}/health").status_code == 200, 90)
     body = {"prompt": f"durable {SLOW_MARKER}", "seed": 21, "num_inference_steps": 20}
     ref = client.post(f"{prefix}{GEN}", json=body).json()["data"][0]["b64_json"]
@@ -280,30 +280,45 @@ def test_jobs_survive_the_loss_of_their_replica_and_of_their_ingress(app_factory
             return None
         return r.json() if r.status_code == 200 else None
 
-    def actor(kind):
+    def actor(kind, unique_id=""):
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
-        return ray.get_actor(next(n for n in names if n.startswith(f"SERVE_REPLICA::{app}#{kind}#")), "serve")
+        name = next(
+            n for n in names if n.startswith(f"SERVE_REPLICA::{app}#{kind}#") and n.endswith(unique_id)
+        )
+        return ray.get_actor(name, "serve")
 
     def running(job_id):
         return (get(f"/v1/jobs/{job_id}") or {}).get("step", 0) >= 2
 
+    t0 = time.monotonic()
+
+    def phase(what):
+        print(f"  {time.monotonic() - t0:5.1f}s {what}", flush=True)
+
     # The replica dies under a running job: the ingress retries it on the replacement.
+    phase("deployed")
     a = submit(client, body, prefix=prefix).json()
     wait_for(lambda: running(a["id"]), 60)
-    ray.kill(actor("DiffusionReplica"), no_restart=False)
+    attempt = get(f"/v1/jobs/{a['id']}")["request_id"]
+    holder = get(f"/v1/requests/{attempt}")["replica_id"]
+    ray.kill(actor("DiffusionReplica", holder), no_restart=False)  # the replica running job a
+    phase("replica killed")
     wait_for(lambda: (get(f"/v1/jobs/{a['id']}") or {}).get("state") in ("done", "failed"), 120)
     # The ingress dies under a running job: after the lease runs out, the restarted ingress
     # (Serve replaces it) resumes the stored request.
     wait_for(lambda: client.get(f"{prefix}/health").status_code == 200, 120)
+    phase("job a done")
     b = submit(client, body, prefix=prefix).json()
     wait_for(lambda: running(b["id"]), 60)
     ray.kill(actor("DiffusionIngress"), no_restart=False)
+    phase("ingress killed")
     for job_id in (a["id"], b["id"]):
         done = wait_for(
             lambda jid=job_id: (j := get(f"/v1/jobs/{jid}")) and j["state"] in ("done", "failed") and j,
             180,
             0.5,
         )
+        phase(f"job {'a' if job_id == a['id'] else 'b'} {done['state']}")
         assert done["state"] == "done" and done["attempts"] >= 2, (
             job_id == a["id"],
             done["error"],
