@@ -119,10 +119,15 @@ def test_an_idempotency_key_makes_the_same_job(client):
 def test_abort_a_running_job_and_its_state_says_so(client):
     job = submit(client, {"prompt": f"long {SLOW_MARKER}", "num_inference_steps": 50}).json()
     wait_for(lambda: client.get(f"/v1/jobs/{job['id']}").json()["step"] >= 2, 60)
+    # Another size cannot share its pipeline call: that job waits, and says where in the queue.
+    behind = submit(client, {"prompt": "behind", "num_inference_steps": 2, "size": "40x40"}).json()
+    waiting = client.get(f"/v1/jobs/{behind['id']}").json()
+    assert waiting["state"] == "queued" and waiting["queue_position"] == 0, waiting
     r = client.delete(f"/v1/jobs/{job['id']}")
     assert r.status_code == 200 and r.json()["state"] == "aborted", r.text
     got = client.get(f"/v1/jobs/{job['id']}").json()
     assert got["state"] == "aborted" and got["error"]["type"] == "aborted" and got["step"] < 50
+    assert finished(client, behind["id"])["state"] == "done"  # the one behind runs once it is gone
 
 
 def read_events(base_url, job_id, last_id=None, stop_after_step=None):
@@ -238,6 +243,11 @@ def test_the_store_prunes_by_age_and_size_and_links_are_signed(tmp_path):
     assert signature_ok(key, "job_2/0.png", int(now) + 60, sig)
     assert not signature_ok(key, "job_2/1.png", int(now) + 60, sig)
     assert not signature_ok(key, "job_2/0.png", int(now) - 1, sign(key, "job_2/0.png", int(now) - 1))
+    # Any fsspec URL: the same store in memory.
+    mem = Store("memory://jobs-test")
+    mem.save_job(job)
+    assert mem.load_job(job.id) == job and mem.keys() == [job.id]
+    assert mem.create_job(job) is False  # exclusive: a second submit of the same id loses
 
 
 def test_webhook_targets_without_an_allow_list():
