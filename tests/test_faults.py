@@ -7,7 +7,9 @@ ones the closing notes report.
 
 from __future__ import annotations
 
+import base64
 import concurrent.futures as cf
+import io
 import json
 import os
 import random
@@ -15,14 +17,17 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 import ray
+from PIL import Image
 from ray import serve
 
-from serve_app.testing import fault_token_path
+from serve_app.testing import SLOW_MARKER, fault_token_path
 from tests.conftest import app_args, deploy, wait_for
 
 pytestmark = pytest.mark.slow
+GEN = "/v1/images/generations"
 
 
 class Load:
@@ -144,7 +149,7 @@ def test_a_per_request_error_does_not_fail_health(client, base_url):
     assert rep["healthy"] and rep["health_problem"] is None
 
 
-def test_killed_replicas_lose_no_request(app_factory, client, base_url):
+def test_killed_replicas_and_ingress_lose_no_request_and_no_job(app_factory, client, base_url):
     app = "kill"
     prefix = app_factory(
         app,
@@ -191,6 +196,64 @@ def test_killed_replicas_lose_no_request(app_factory, client, base_url):
     # Replacements come up and take traffic.
     wait_for(lambda: len(status(client, prefix)["replicas"]) == 2, 90)
     assert client.post(f"{prefix}/v1/images/generations", json={"prompt": "after"}).status_code == 200
+    jobs_survive(app, prefix, client)
+
+
+def jobs_survive(app: str, prefix: str, client) -> None:
+    """Asynchronous jobs: kill the replica under one and the ingress under another; both end
+    done with the image their seed makes (a resumed job re-runs its stored request)."""
+    body = {"prompt": f"durable {SLOW_MARKER}", "seed": 21, "num_inference_steps": 20}
+    ref = pixels(base64.b64decode(client.post(f"{prefix}{GEN}", json=body).json()["data"][0]["b64_json"]))
+    t0 = time.monotonic()
+
+    def get(path):
+        try:
+            r = client.get(f"{prefix}{path}")
+        except httpx.HTTPError:
+            return None
+        return r.json() if r.status_code == 200 else None
+
+    def actor(kind, unique_id=""):
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+        name = next(
+            n for n in names if n.startswith(f"SERVE_REPLICA::{app}#{kind}#") and n.endswith(unique_id)
+        )
+        return ray.get_actor(name, "serve")
+
+    def running(job_id):
+        return (get(f"/v1/jobs/{job_id}") or {}).get("step", 0) >= 2
+
+    def ended(job_id):
+        return (j := get(f"/v1/jobs/{job_id}")) and j["state"] in ("done", "failed", "aborted") and j
+
+    def submit():
+        r = client.post(f"{prefix}{GEN}", json=body, headers={"Prefer": "respond-async"})
+        assert r.status_code == 202, r.text
+        return r.json()["id"]
+
+    # The replica running a job dies: the ingress runs it again on the other replica.
+    a = submit()
+    wait_for(lambda: running(a), 60)
+    holder = get(f"/v1/requests/{get(f'/v1/jobs/{a}')['request_id']}")["replica_id"]
+    ray.kill(actor("DiffusionReplica", holder), no_restart=False)
+    wait_for(lambda: ended(a), 120, 0.2)
+    # The ingress dies under a running job: when its lease runs out, the ingress Serve starts
+    # in its place takes the job over.
+    b = submit()
+    wait_for(lambda: running(b), 60)
+    ray.kill(actor("DiffusionIngress"), no_restart=False)
+    for job_id in (a, b):
+        done = wait_for(lambda jid=job_id: ended(jid), 180, 0.5)
+        assert done["state"] == "done" and done["attempts"] >= 2, (job_id == a, done["error"])
+        image = pixels(client.get(f"{prefix}/v1/jobs/{job_id}/content/0").content)
+        # A resumed job may share a pipeline call with its lost attempt, still running on the
+        # replica, and rows of a batch may differ by a rounding step or two.
+        assert np.abs(image - ref).max() <= 3, job_id == a
+    print(f"jobs: both done after a replica kill and an ingress kill, {time.monotonic() - t0:.0f}s")
+
+
+def pixels(png: bytes) -> np.ndarray:
+    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.int16)
 
 
 def test_overload_gets_429_with_retry_after_and_memory_stays_bounded(app_factory, base_url, client):
