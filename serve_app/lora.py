@@ -34,9 +34,14 @@ def check_name(name: str) -> str:
     return name
 
 
+# PEFT's adapter directory: its config and its weights, by these names.
+PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
 def check_adapter_file(path: str, allowed_roots: list[str], max_file_mb: float) -> Path:
-    """Resolve `path` (symlinks followed) and refuse it unless it is a `.safetensors` file,
-    inside an allowed root, and no larger than `max_file_mb`."""
+    """Resolve `path` (symlinks followed) and refuse it unless it is a `.safetensors` file or a
+    PEFT adapter directory (`adapter_config.json` + `adapter_model.safetensors`), inside an
+    allowed root, and no larger than `max_file_mb`."""
     if not allowed_roots:
         raise Forbidden(
             "path: no lora.allowed_roots are configured, so no adapter file may be loaded", param="path"
@@ -48,18 +53,39 @@ def check_adapter_file(path: str, allowed_roots: list[str], max_file_mb: float) 
         raise Forbidden("path: '..' is not allowed in adapter paths", param="path")
     resolved = raw.resolve()
     roots = [Path(r).expanduser().resolve() for r in allowed_roots]
-    if not any(resolved == r or r in resolved.parents for r in roots):
+
+    def inside(p: Path) -> bool:
+        return any(p == r or r in p.parents for r in roots)
+
+    if not inside(resolved):
         raise Forbidden(
             f"path: {path!r} resolves outside the adapter roots (lora.allowed_roots)", param="path"
         )
+    if resolved.is_dir():
+        files = [(resolved / name).resolve() for name in (PEFT_CONFIG, PEFT_WEIGHTS)]
+        if not all(f.is_file() for f in files):
+            raise InvalidRequest(
+                f"path: an adapter directory holds {PEFT_CONFIG} and {PEFT_WEIGHTS} (PEFT's layout)",
+                param="path",
+            )
+        if not all(inside(f) for f in files):  # a symlink inside pointing out
+            raise Forbidden(f"path: files of {path!r} resolve outside the adapter roots", param="path")
+        _check_size(files[1], max_file_mb)
+        if files[0].stat().st_size > 2**20:
+            raise InvalidRequest(f"path: {PEFT_CONFIG} is larger than 1 MB", param="path")
+        return resolved
     if resolved.suffix != ".safetensors":
         raise InvalidRequest("path: only .safetensors adapter files are loaded (never pickles)", param="path")
     if not resolved.is_file():
         raise InvalidRequest(f"path: no adapter file at {path!r}", param="path")
-    size_mb = resolved.stat().st_size / 2**20
+    _check_size(resolved, max_file_mb)
+    return resolved
+
+
+def _check_size(path: Path, max_file_mb: float) -> None:
+    size_mb = path.stat().st_size / 2**20
     if size_mb > max_file_mb:
         raise InvalidRequest(f"path: {size_mb:.1f} MB is above the limit of {max_file_mb:g} MB", param="path")
-    return resolved
 
 
 def shown_path(path: str, allowed_roots: list[str]) -> str:
@@ -145,9 +171,16 @@ class Registry:
 
 
 def make_adapter(
-    out: str, seed: int = 0, rank: int = 4, model: str = "tiny-sd", strength: float = 1.0
+    out: str,
+    seed: int = 0,
+    rank: int = 4,
+    model: str = "tiny-sd",
+    strength: float = 1.0,
+    alpha: int | None = None,
 ) -> Path:
-    """Write a LoRA adapter for `builtin:<model>` in the diffusers/peft safetensors format.
+    """Write a LoRA adapter for `builtin:<model>` in the diffusers/peft safetensors format, or,
+    when `out` does not end in `.safetensors`, as a PEFT adapter directory (`alpha`, default
+    `rank`, goes in its config; the weights are stored so that the adapter acts the same).
 
     Same arguments, same file: the weights are drawn from `seed`.
     """
@@ -166,13 +199,33 @@ def make_adapter(
         state = get_peft_model_state_dict(denoiser, adapter_name="make")
     finally:
         denoiser.delete_adapters("make")
+    path = Path(out)
+    if path.suffix != ".safetensors":  # PEFT's directory: its key names, the factor alpha/r apart
+        path.mkdir(parents=True, exist_ok=True)
+        factor = rank / (alpha or rank)
+        keys = {
+            f"base_model.model.{k}": (v * strength * (factor if "lora_B" in k else 1.0)).contiguous()
+            for k, v in state.items()
+        }
+        save_file(keys, str(path / PEFT_WEIGHTS))
+        config = {
+            "peft_type": "LORA",
+            "r": rank,
+            "lora_alpha": alpha or rank,
+            "target_modules": cfg_targets(cfg),
+        }
+        (path / PEFT_CONFIG).write_text(json.dumps(config, indent=1))
+        return path
     if prefix == "unet":  # UNet adapters are shared in diffusers' key names; transformer ones in peft's
         state = convert_state_dict_to_diffusers(state)
     state = {f"{prefix}.{k}": (v * strength).contiguous() for k, v in state.items()}
-    path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path))
     return path
+
+
+def cfg_targets(cfg) -> list[str]:
+    return sorted(cfg.target_modules)
 
 
 @functools.lru_cache(maxsize=2)

@@ -9,6 +9,7 @@ twins go through Serve and HTTP in tests/test_families_serving.py.
 from __future__ import annotations
 
 import io
+import json
 
 import av
 import numpy as np
@@ -165,6 +166,25 @@ def test_an_adapter_in_the_family_format_changes_the_image(engines, name, tmp_pa
         e.unload_lora("style")
     assert np.abs(styled - base).mean() > 1
     assert np.array_equal(off, base)  # scale 0: the base model, bit for bit
+
+
+@pytest.mark.parametrize("name", ["tiny-sd", "tiny-flux"])
+def test_a_peft_adapter_directory_acts_as_its_file(engines, name, tmp_path):
+    """PEFT's layout (adapter_config.json with lora_alpha = 2r, PEFT's key names) loads and
+    gives the image of the same adapter as a safetensors file."""
+    e = engines(name)
+    file = make_adapter(str(tmp_path / "a.safetensors"), seed=4, model=name, strength=3.0)
+    folder = make_adapter(str(tmp_path / "a-peft"), seed=4, model=name, strength=3.0, alpha=8)
+    assert json.loads((folder / "adapter_config.json").read_text())["lora_alpha"] == 8
+    images = []
+    for adapter in (file, folder):
+        e.load_lora("x", str(adapter))
+        try:
+            images.append(pixels(e.run([Row("a", None, 2)], params(e, loras=(("x", 1.0),))).images[0]))
+        finally:
+            e.unload_lora("x")
+    base = pixels(e.run([Row("a", None, 2)], params(e)).images[0])
+    assert np.abs(images[0] - base).mean() > 1 and np.abs(images[1] - images[0]).max() <= 1
 
 
 def test_a_video_has_the_frames_asked_for_in_each_format(engines):

@@ -242,3 +242,24 @@ def test_requests_with_different_adapters_share_one_call_over_http(client):
 
 def decoded(body: dict) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(base64.b64decode(body["data"][0]["b64_json"])))).astype(np.int16)
+
+
+def test_a_peft_adapter_directory_registers_over_http(client):
+    """PEFT's layout registered on the shared app gives the image of the same adapter as a file,
+    and the answer names the directory relative to its root."""
+    from serve_app.lora import make_adapter
+
+    file = make_adapter(str(ADAPTER_DIR / "dir-twin.safetensors"), seed=41, strength=2.0)
+    make_adapter(str(ADAPTER_DIR / "peft-dir"), seed=41, strength=2.0, alpha=8)  # lora_alpha = 2r
+    r = client.post("/v1/loras", json={"name": "peft-dir", "path": "peft-dir"})
+    assert r.status_code == 200 and r.json()["path"] == "peft-dir", r.text
+    assert client.post("/v1/loras", json={"name": "dir-twin", "path": str(file)}).status_code == 200
+    try:
+        imgs = [
+            client.post("/v1/images/generations", json={"prompt": "a", "seed": 3, "lora": {"name": n}}).json()
+            for n in ("peft-dir", "dir-twin")
+        ]
+        assert imgs[0]["data"][0]["b64_json"] == imgs[1]["data"][0]["b64_json"]
+    finally:
+        for n in ("peft-dir", "dir-twin"):
+            client.delete(f"/v1/loras/{n}")

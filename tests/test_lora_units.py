@@ -43,6 +43,19 @@ def test_path_checks(tmp_path):
             check_adapter_file(path, [str(root)], 1)
     with pytest.raises(Forbidden, match="no lora.allowed_roots"):
         check_adapter_file(str(good), [], 10)
+    # PEFT adapter directories: both files, inside the roots, the weights within the limit.
+    folder = make_adapter(str(root / "peft"), seed=1)
+    assert check_adapter_file("peft", [str(root)], 10) == folder.resolve()
+    (root / "empty").mkdir()
+    (root / "escape").mkdir()
+    (root / "escape" / "adapter_config.json").write_text("{}")
+    (root / "escape" / "adapter_model.safetensors").symlink_to(outside)
+    for path, err, msg in [
+        ("empty", InvalidRequest, "holds adapter_config.json and adapter_model.safetensors"),
+        ("escape", Forbidden, "resolve outside the adapter roots"),
+    ]:
+        with pytest.raises(err, match=msg):
+            check_adapter_file(path, [str(root)], 1)
 
 
 def test_names():

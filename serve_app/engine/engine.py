@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import logging
 import os
 import time
@@ -633,14 +634,14 @@ class DiffusionEngine:
         return sorted({n for names in self.pipe.get_list_adapters().values() for n in names})
 
     def load_lora(self, name: str, path: str) -> None:
-        """Load a diffusers/peft LoRA safetensors file as adapter `name`, or raise LoraError."""
+        """Load a diffusers/peft LoRA safetensors file, or a PEFT adapter directory, as adapter
+        `name`, or raise LoraError."""
         from safetensors import SafetensorError
-        from safetensors.torch import load_file
 
         try:
-            state = load_file(path)
+            state = self._read_adapter(path)
         except (SafetensorError, OSError, ValueError) as e:
-            raise LoraError(f"{path}: not a readable safetensors file ({e})") from None
+            raise LoraError(f"{path}: not a readable safetensors file or adapter directory ({e})") from None
         ups = [v for k, v in state.items() if "lora" in k and ("up" in k or "lora_B" in k)]
         if not ups:
             raise LoraError(f"{path}: no LoRA weights in it (no lora up/B tensors)")
@@ -665,6 +666,35 @@ class DiffusionEngine:
     def unload_lora(self, name: str) -> None:
         self._drop_adapter(name)
         self._active_lora = ()
+
+    def _read_adapter(self, path: str) -> dict[str, torch.Tensor]:
+        """An adapter's weights under the pipeline's key names. A PEFT directory's keys lose
+        PEFT's `base_model.model.` and gain the denoiser's prefix, and its `lora_alpha / r` is
+        folded into the B weights (diffusers loads a plain state dict at alpha = r)."""
+        from safetensors.torch import load_file
+
+        folder = Path(path)
+        if not folder.is_dir():
+            return load_file(path)
+        config = json.loads((folder / "adapter_config.json").read_text())
+        if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
+            raise LoraError(
+                f"{path}: a {config.get('peft_type')} adapter (or DoRA); only plain LoRA is loaded"
+            )
+        if config.get("rank_pattern") or config.get("alpha_pattern"):
+            raise LoraError(f"{path}: per-layer ranks or alphas (rank_pattern, alpha_pattern) are not loaded")
+        r = config.get("r")
+        if not isinstance(r, int) or r < 1:
+            raise LoraError(f"{path}: adapter_config.json has no rank r")
+        factor = float(config.get("lora_alpha", r)) / r
+        prefix = "unet" if getattr(self.pipe, "unet", None) is not None else "transformer"
+        out = {}
+        for key, value in load_file(str(folder / "adapter_model.safetensors")).items():
+            key = key.removeprefix("base_model.model.")
+            if "lora_B" in key and factor != 1.0:
+                value = value * factor
+            out[key if key.startswith(f"{prefix}.") else f"{prefix}.{key}"] = value
+        return out
 
     def _drop_adapter(self, name: str) -> None:
         if name in self.loaded_loras():
