@@ -249,7 +249,8 @@ class LoraConfig(_Strict):
 
     registry_path: str = Field(
         "~/.cache/diffusion-serve/loras.json",
-        description="The persisted registry (JSON). On several machines: a path they all share.",
+        description="The persisted registry (JSON): a local path or any fsspec URL (s3://, gs://, ...); "
+        "on several machines, one they all share.",
     )
     allowed_roots: list[str] = Field(
         default_factory=list, description="Directories adapter files must resolve into; empty: no adapters."

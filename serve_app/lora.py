@@ -17,10 +17,11 @@ import functools
 import json
 import os
 import re
+import time
 from pathlib import Path
 from typing import Any
 
-from serve_app.errors import Forbidden, InvalidRequest, NotFound
+from serve_app.errors import Forbidden, InvalidRequest, NotFound, ServingError
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -100,31 +101,69 @@ def shown_path(path: str, allowed_roots: list[str]) -> str:
 
 
 class Registry:
-    """Registered adapters by name: {path, scale, pinned}. Every method re-reads the file."""
+    """Registered adapters by name: {path, scale, pinned}. Every method re-reads the file.
+
+    `path` is a local path or any fsspec URL (`s3://bucket/loras.json`, ...) that several
+    machines share. Changes are serialised by a lock: `flock` on a local file, elsewhere a lock
+    file created exclusively (one older than `STALE_LOCK_S` is taken to be a crashed writer's).
+    """
+
+    STALE_LOCK_S = 30.0
 
     def __init__(self, path: str):
-        self.path = Path(path).expanduser()
+        import fsspec
+        from fsspec.implementations.local import LocalFileSystem
+
+        self.fs, self.path = fsspec.core.url_to_fs(os.path.expanduser(path))
+        self.local = isinstance(self.fs, LocalFileSystem)
+        self.lock_path = os.path.splitext(self.path)[0] + ".lock"
 
     @contextlib.contextmanager
     def _locked(self):
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path.with_suffix(".lock"), "w") as lock:
-            fcntl.flock(lock, fcntl.LOCK_EX)
+        self.fs.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+        if self.local:
+            with open(self.lock_path, "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                try:
+                    yield
+                finally:
+                    fcntl.flock(lock, fcntl.LOCK_UN)
+            return
+        deadline = time.monotonic() + 2 * self.STALE_LOCK_S
+        while True:
             try:
-                yield
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+                with self.fs.open(self.lock_path, "xb") as f:
+                    f.write(str(time.time()).encode())
+                break
+            except FileExistsError:
+                try:
+                    with self.fs.open(self.lock_path, "rb") as f:
+                        taken = float(f.read() or 0)
+                except (FileNotFoundError, ValueError):
+                    taken = 0.0
+                if time.time() - taken > self.STALE_LOCK_S:
+                    self.fs.rm(self.lock_path)  # its writer crashed
+                elif time.monotonic() > deadline:
+                    raise ServingError("the adapter registry stays locked; try again") from None
+                else:
+                    time.sleep(0.05)
+        try:
+            yield
+        finally:
+            self.fs.rm(self.lock_path)
 
     def _read(self) -> dict[str, dict[str, Any]]:
         try:
-            return json.loads(self.path.read_text())
+            with self.fs.open(self.path, "rb") as f:
+                return json.loads(f.read())
         except FileNotFoundError:
             return {}
 
     def _write(self, data: dict[str, dict[str, Any]]) -> None:
-        tmp = self.path.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, self.path)
+        tmp = f"{self.path}.tmp{os.getpid()}"
+        with self.fs.open(tmp, "wb") as f:
+            f.write(json.dumps(data, indent=1, sort_keys=True).encode())
+        self.fs.mv(tmp, self.path)
 
     def all(self) -> dict[str, dict[str, Any]]:
         with self._locked():
