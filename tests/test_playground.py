@@ -101,12 +101,19 @@ def test_submit_a_job_and_see_it_in_recent_jobs(page, base_url, client):
     page.fill("#prompt", "a job from the browser")
     page.fill("#steps", "3")
     page.fill("#seed", "9")
+    before = [j["id"] for j in client.get("/v1/jobs", params={"limit": 1000}).json()["data"]]
     page.click("#submit-job")
-    row = page.wait_for_selector("#jobs tbody tr[data-state=done]", timeout=60_000)
-    job_id = row.get_attribute("data-id")
-    page.wait_for_function(
-        "document.querySelector('#jobs tbody tr[data-state=done] img')?.naturalWidth === 32", timeout=30_000
-    )
+    # Our job is the row that was not there before (other tests' jobs may be listed too).
+    job_id = page.wait_for_function(
+        """(before) => {
+            const rows = [...document.querySelectorAll('#jobs tbody tr')];
+            const row = rows.find(r => !before.includes(r.dataset.id));
+            const img = row && row.dataset.state === 'done' && row.querySelector('img');
+            return img && img.naturalWidth === 32 ? row.dataset.id : null;
+        }""",
+        arg=before,
+        timeout=60_000,
+    ).json_value()
     job = client.get(f"/v1/jobs/{job_id}").json()
     assert job["state"] == "done" and job["outputs"][0]["seed"] == 9
     page.click(f"#jobs tbody tr[data-id={job_id}] button")
