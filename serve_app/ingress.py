@@ -1001,7 +1001,12 @@ class DiffusionIngress:
         )
         if await self.jobs.submit(job, prepared) is None:  # the same key, sent twice at once
             return self._same_job(await asyncio.to_thread(self.store.load_job, job_id), digest)
-        return self._job_response(job, 202)
+        # `Prefer: wait=N` (RFC 7240): a job that ends within N seconds is answered ended (200).
+        end = time.monotonic() + _prefer_wait(http)
+        while not job.finished and (left := end - time.monotonic()) > 0:
+            await self.jobs.watch(job_id, left)
+            job = self.jobs.jobs.get(job_id) or await asyncio.to_thread(self.store.load_job, job_id) or job
+        return self._job_response(job, 200 if job.finished else 202)
 
     def _same_job(self, existing: JobRecord, digest: str) -> JSONResponse:
         """An idempotency key sent again: the job it made, if the body is the same."""
@@ -1214,6 +1219,15 @@ def _abort_response(request_id: str, outcome: str) -> AbortResponse:
 _EVENTS_MAX_S = 600  # one job event stream; then the client reconnects
 JOB_ID = re.compile(r"job_[0-9a-f]{32}")
 STORED_KEY = re.compile(r"(job|res)_[0-9a-f]{32}")
+
+
+def _prefer_wait(http: Request) -> float:
+    """The `wait=N` preference in seconds, at most 60 (0 when absent or malformed)."""
+    for part in http.headers.get("prefer", "").split(","):
+        name, _, value = part.strip().partition("=")
+        if name.strip().lower() == "wait" and value.strip().isascii() and value.strip().isdigit():
+            return float(min(int(value.strip()[:4]), 60))
+    return 0.0
 
 
 def _prefers_async(http: Request) -> bool:

@@ -77,6 +77,20 @@ def test_a_job_answers_at_once_and_keeps_its_result(client):
     assert httpx.get(done["outputs"][0]["url"]).status_code == 404
 
 
+def test_prefer_wait_answers_a_quick_job_ended(client):
+    quick = client.post(
+        GEN, json={"prompt": "q", "num_inference_steps": 2}, headers={"Prefer": "respond-async, wait=60"}
+    )
+    assert quick.status_code == 200 and quick.json()["state"] == "done" and quick.json()["outputs"], (
+        quick.text
+    )
+    slow = {"prompt": f"s {SLOW_MARKER}", "num_inference_steps": 30}
+    t0 = time.monotonic()
+    r = client.post(GEN, json=slow, headers={"Prefer": "respond-async, wait=1"})
+    assert r.status_code == 202 and r.json()["state"] in ("queued", "running") and time.monotonic() - t0 >= 1
+    client.delete(f"/v1/jobs/{r.json()['id']}")
+
+
 def test_bad_jobs_are_refused_before_they_are_stored(client):
     for body, param in [
         ({"prompt": "a", "num_inference_steps": 999}, "num_inference_steps"),
