@@ -132,28 +132,38 @@ def _make(c: Client, a: argparse.Namespace, path: str, body: dict[str, Any]) -> 
         job = c.json("POST", path, {**body, "stream": False}, {"Prefer": "respond-async"})
         print(f"{job['id']}  {job['state']}  (diffusion-serve jobs wait {job['id']} -o {a.output})")
         return
-    started = time.monotonic()
-    result = None
-    for event in c.stream(path, body):
-        if event["type"] == "step":
-            if not a.quiet:
-                _progress(event["step"], event["total_steps"], started)
-        elif event["type"] == "error":
-            raise ClientError(f"generation failed: {event['error']['message']}")
-        elif event["type"] == "result":
-            result = event
-    if not a.quiet:
-        sys.stderr.write("\n")
+    result = _follow(c.stream(path, body), "result", a.quiet)
     if result is None:
         raise ClientError("the server closed the stream without a result")
-    stem, ext = os.path.splitext(a.output)
     for i, item in enumerate(result["data"]):
-        path = a.output if len(result["data"]) == 1 else f"{stem}-{i}{ext}"
+        path = _output_path(a.output, i, len(result["data"]))
         with open(path, "wb") as f:
             f.write(base64.b64decode(item["b64_json"]))
         print(
             f"{path}  seed {item['seed']}  ({result['request_id']}, {result['metrics']['total_ms']:.0f} ms)"
         )
+
+
+def _follow(events, final: str, quiet: bool) -> dict[str, Any] | None:
+    """Read a stream of step events with a progress bar; the last event of type `final`."""
+    started, last = time.monotonic(), None
+    for event in events:
+        if event["type"] == "step":
+            if not quiet:
+                _progress(event["step"], event["total_steps"], started)
+        elif event["type"] == "error":
+            raise ClientError(f"generation failed: {event['error']['message']}")
+        elif event["type"] == final:
+            last = event
+    if not quiet:
+        sys.stderr.write("\n")
+    return last
+
+
+def _output_path(output: str, index: int, count: int) -> str:
+    """`out.png` for one file; `out-0.png`, `out-1.png`, ... for several."""
+    stem, ext = os.path.splitext(output)
+    return output if count == 1 else f"{stem}-{index}{ext}"
 
 
 def _job_line(job: dict[str, Any]) -> str:
@@ -164,9 +174,8 @@ def _job_line(job: dict[str, Any]) -> str:
 
 
 def _save_outputs(c: Client, job: dict[str, Any], output: str) -> None:
-    stem, ext = os.path.splitext(output)
     for out in job["outputs"]:
-        path = output if len(job["outputs"]) == 1 else f"{stem}-{out['index']}{ext}"
+        path = _output_path(output, out["index"], len(job["outputs"]))
         with open(path, "wb") as f:
             f.write(c.raw(f"/v1/jobs/{job['id']}/content/{out['index']}"))
         print(f"{path}  seed {out['seed']}  ({job['id']})")
@@ -185,14 +194,7 @@ def cmd_jobs(c: Client, a: argparse.Namespace) -> None:
         out = c.json("DELETE", f"/v1/jobs/{a.id}")
         print(f"deleted {a.id}" if out.get("deleted") else f"{a.id}  {out['state']}")
     elif a.jobs_cmd == "wait":
-        started, job = time.monotonic(), None
-        for event in c.stream(f"/v1/jobs/{a.id}/events"):
-            if event["type"] == "step" and not a.quiet:
-                _progress(event["step"], event["total_steps"], started)
-            elif event["type"] == "job":
-                job = event
-        if not a.quiet:
-            sys.stderr.write("\n")
+        job = _follow(c.stream(f"/v1/jobs/{a.id}/events"), "job", a.quiet)
         if job is None:
             raise ClientError("the server closed the job's stream before it ended")
         if job["state"] != "done":

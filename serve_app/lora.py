@@ -251,7 +251,7 @@ def make_adapter(
             "peft_type": "LORA",
             "r": rank,
             "lora_alpha": alpha or rank,
-            "target_modules": cfg_targets(cfg),
+            "target_modules": sorted(cfg.target_modules),
         }
         (path / PEFT_CONFIG).write_text(json.dumps(config, indent=1))
         return path
@@ -261,10 +261,6 @@ def make_adapter(
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path))
     return path
-
-
-def cfg_targets(cfg) -> list[str]:
-    return sorted(cfg.target_modules)
 
 
 @functools.lru_cache(maxsize=2)
