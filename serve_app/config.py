@@ -266,6 +266,12 @@ class LoraConfig(_Strict):
     max_loaded: int = Field(
         4, ge=1, description="Adapters one replica holds; least recently used evicted first."
     )
+    max_loaded_mb: float | None = Field(
+        None,
+        gt=0,
+        description="Size of the adapter weights one replica holds (MiB, as read from their files); "
+        "least recently used evicted to stay under it, pinned ones never. None: only max_loaded counts.",
+    )
     max_per_request: int = Field(4, ge=1, description="Adapters one request may stack (`loras`).")
 
     @model_validator(mode="after")

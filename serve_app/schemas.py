@@ -717,6 +717,7 @@ class ReplicaStats(BaseModel):
     rss_mb: float
     batching: dict[str, Any]
     loras_loaded: list[str]
+    loras_loaded_mb: float = 0.0
     engine_failures_in_a_row: int
     counts: dict[str, int]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+import threading
 import time
 
 import torch
@@ -100,6 +101,8 @@ class FakeEngine:
         self.fail_next = 0  # the next n calls fail
         self.fatal_next = False  # the next call fails as a poisoned device does
         self.loras: set[str] = set()
+        self.read_delay_s = 0.0  # each adapter read takes this long
+        self.reads: list[tuple[str, str]] = []  # (thread name, path) of every adapter read
 
     def describe(self) -> dict:
         return {"model": self.model_name, "source": self.cfg.source, "pipeline": "FakePipeline",
@@ -120,7 +123,16 @@ class FakeEngine:
     def check_options(self, generator_device, vae_slicing: bool, vae_tiling: bool) -> None:
         pass
 
-    def load_lora(self, name: str, path: str) -> None:
+    def read_lora(self, path: str) -> dict:
+        """A stand-in state whose size is the file's (so residency by bytes can be tested)."""
+        if self.read_delay_s:
+            time.sleep(self.read_delay_s)
+        self.reads.append((threading.current_thread().name, path))
+        return {"w": torch.zeros(os.path.getsize(path), dtype=torch.uint8)}
+
+    def load_lora(self, name: str, path: str, state: dict | None = None) -> None:
+        if state is None:
+            self.read_lora(path)
         self.loras.add(name)
 
     def unload_lora(self, name: str) -> None:

@@ -152,6 +152,9 @@ def test_eviction_keeps_at_most_max_loaded(lora_app, client):
     assert all(len(r["loras_loaded"]) <= 2 for r in stats)
     assert all("red" in r["loras_loaded"] for r in stats)  # pinned: never evicted
     assert sum(r["counts"].get("lora_evictions", 0) for r in stats) >= 1
+    # The real engine's files were read on the reader thread, ahead of the call that used them.
+    assert sum(r["counts"].get("lora_prefetched", 0) for r in stats) >= 1
+    assert all(r["loras_loaded_mb"] > 0 for r in stats)
 
 
 def test_replicas_started_later_load_pinned_adapters_and_the_registry_survives_a_restart(lora_app, client):

@@ -422,3 +422,71 @@ def test_requests_with_different_single_adapters_share_a_call_within_the_rules()
 
     # c: red at another scale; e: a third name over the limit of 2.
     assert asyncio.run(go()) == ["a", "b", "d", "f"]
+
+
+def _adapter_req(rid: str, tmp_path, name: str, size: int = 400) -> PreparedRequest:
+    """A request naming adapter `name`, whose file (for FakeEngine, any bytes) has `size` bytes."""
+    from serve_app.schemas import LoraRef
+
+    path = tmp_path / f"{name}.safetensors"
+    if not path.exists():
+        path.write_bytes(b"\0" * size)
+    r = req("p", rid)
+    return r.model_copy(update={"loras": [LoraRef(name=name, scale=1.0, path=str(path))]})
+
+
+def test_adapter_residency_keeps_to_its_size_and_evicts_least_recently_used(tmp_path):
+    """`lora.max_loaded_mb`: three 400-byte adapters in a 900-byte budget hold two at a time,
+    the least recently used evicted; a pinned adapter is never evicted, and pins over the budget
+    are refused with a message naming the setting."""
+    from serve_app.errors import InvalidRequest
+
+    budget_mb = 900 / 2**20
+    r = DiffusionReplica(
+        FAKE_MODEL, {"max_batch_images": 8, "batch_wait_ms": 0}, {},
+        {"max_loaded": 4, "max_per_request": 2, "max_loaded_mb": budget_mb},
+        engine_factory=lambda cfg: FakeEngine(cfg, step_s=0.0),
+    )  # fmt: skip
+    try:
+        for rid, name in [("1", "a"), ("2", "b"), ("3", "a"), ("4", "c")]:
+            run(r.generate(_adapter_req(rid, tmp_path, name)))
+        assert r.adapters.loaded == ["a", "c"]  # b was the least recently used when c came
+        assert r.stats().loras_loaded_mb == round(800 / 2**20, 3) and r.stats().counts["lora_evictions"] == 1
+        run(r.pin_lora("c", str(tmp_path / "c.safetensors"), True))
+        for rid, name in [("5", "b"), ("6", "a"), ("7", "b")]:
+            run(r.generate(_adapter_req(rid, tmp_path, name)))
+            assert "c" in r.adapters.loaded and len(r.adapters.loaded) == 2
+        with pytest.raises(InvalidRequest, match="max_loaded_mb"):  # c + b + a pinned: 1200 bytes
+            run(r.pin_lora("b", str(tmp_path / "b.safetensors"), True))
+            run(r.pin_lora("a", str(tmp_path / "a.safetensors"), True))
+    finally:
+        stop(r)
+
+
+def test_adapter_files_are_read_off_the_engine_thread_while_a_call_runs(tmp_path):
+    """A request naming an adapter the replica lacks starts reading its file at once, on the
+    reader thread, while the engine thread runs the call in flight; only installing it waits
+    for that call. The read (300 ms here) overlaps the running call (400 ms) instead of
+    following it."""
+    r = DiffusionReplica(
+        FAKE_MODEL, {"max_batch_images": 1, "batch_wait_ms": 0}, {}, {"max_loaded": 2, "max_per_request": 1},
+        engine_factory=lambda cfg: FakeEngine(cfg, step_s=0.1),
+    )  # fmt: skip
+    r.engine.read_delay_s = 0.3
+
+    async def go():
+        first = asyncio.ensure_future(r.generate(req("p", "long", num_inference_steps=4)))
+        await asyncio.sleep(0.05)  # the first call is running
+        t = time.perf_counter()
+        await r.generate(_adapter_req("with-adapter", tmp_path, "a"))
+        await first
+        return time.perf_counter() - t
+
+    try:
+        took = run(go())
+        assert [thread for thread, _ in r.engine.reads] == ["adapter-reader_0"]
+        assert r.stats().counts["lora_prefetched"] == 1
+        # Read during the first call: ~0.35 s left of it, then 3 steps of 0.1 s (sequential: ~0.95 s).
+        assert took < 0.85, took
+    finally:
+        stop(r)

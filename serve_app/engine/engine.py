@@ -633,9 +633,10 @@ class DiffusionEngine:
     def loaded_loras(self) -> list[str]:
         return sorted({n for names in self.pipe.get_list_adapters().values() for n in names})
 
-    def load_lora(self, name: str, path: str) -> None:
-        """Load a diffusers/peft LoRA safetensors file, or a PEFT adapter directory, as adapter
-        `name`, or raise LoraError."""
+    def read_lora(self, path: str) -> dict[str, torch.Tensor]:
+        """Read and check an adapter's weights (a diffusers/peft LoRA safetensors file, or a PEFT
+        adapter directory) without touching the pipeline: safe on any thread. LoraError if
+        unusable."""
         from safetensors import SafetensorError
 
         try:
@@ -647,6 +648,13 @@ class DiffusionEngine:
             raise LoraError(f"{path}: no LoRA weights in it (no lora up/B tensors)")
         if all(float(v.abs().max()) == 0 for v in ups):
             raise LoraError(f"{path}: every LoRA up/B weight is zero; it would change no layer")
+        return state
+
+    def load_lora(self, name: str, path: str, state: dict[str, torch.Tensor] | None = None) -> None:
+        """Install adapter `name` into the pipeline from `state` (what `read_lora(path)` gave;
+        read here when absent), or raise LoraError. On the engine thread."""
+        if state is None:
+            state = self.read_lora(path)
         before = self.loaded_loras()
         try:
             self.pipe.load_lora_weights(state, adapter_name=name)

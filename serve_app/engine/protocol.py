@@ -29,8 +29,13 @@ class Engine(Protocol):
     def check_options(self, generator_device: str | None, vae_slicing: bool, vae_tiling: bool) -> None:
         """ValueError, starting with the field's name, for per-call options it cannot honour."""
 
-    def load_lora(self, name: str, path: str) -> None:
-        """Load an adapter file under `name`, or raise LoraError saying why not."""
+    def read_lora(self, path: str) -> dict[str, Any]:
+        """An adapter's checked weights, read without touching the pipeline (any thread), or
+        LoraError saying why not."""
+
+    def load_lora(self, name: str, path: str, state: dict[str, Any] | None = None) -> None:
+        """Install an adapter under `name` (from `state`, else read from `path`), or raise
+        LoraError saying why not."""
 
     def unload_lora(self, name: str) -> None: ...
 

@@ -1,27 +1,50 @@
 """Which LoRA adapters one replica holds: load on demand, least recently used evicted first,
-pinned ones never. Runs on the engine thread (loading and unloading touch the pipeline)."""
+pinned ones never, within a count (`lora.max_loaded`) and a size (`lora.max_loaded_mb`).
+
+Reading an adapter's file (the slow part: storage, safetensors, the checks) runs on a reader
+thread as soon as a request names an adapter the replica lacks (`prefetch`), while the engine
+thread goes on with the calls in flight; installing it into the pipeline (`hold`) runs on the
+engine thread between calls, and waits for the read only if it has not ended by then."""
 
 from __future__ import annotations
 
 import collections
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from serve_app.engine import LoraError
 
 logger = logging.getLogger("ray.serve")
 
 
+def state_bytes(state: dict) -> int:
+    return sum(v.numel() * v.element_size() for v in state.values())
+
+
 class AdapterResidency:
-    def __init__(self, engine, max_loaded: int, on_change: Callable[[list[str]], None] | None = None):
+    def __init__(
+        self,
+        engine,
+        max_loaded: int,
+        on_change: Callable[[list[str]], None] | None = None,
+        max_bytes: int | None = None,
+    ):
         self.engine = engine
         self.max_loaded = max_loaded
+        self.max_bytes = max_bytes
         self._loaded: collections.OrderedDict[str, str] = collections.OrderedDict()  # LRU first
+        self._bytes: dict[str, int] = {}
         self._pinned: set[str] = set()
         self._on_change = on_change or (lambda names: None)
+        self._lock = threading.Lock()  # `_staged` is filled on the event loop, emptied on the engine thread
+        self._staged: collections.OrderedDict[str, tuple[str, Future]] = collections.OrderedDict()
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="adapter-reader")
         self.loads = 0
         self.evictions = 0
+        self.prefetched = 0  # loads whose file had been read off the engine thread
 
     @property
     def loaded(self) -> list[str]:
@@ -31,31 +54,90 @@ class AdapterResidency:
     def pinned(self) -> list[str]:
         return sorted(self._pinned)
 
-    def hold(self, name: str, path: str, pin: bool = False) -> None:
-        """Make `name` loaded here, evicting the least recently used unpinned adapter if full."""
+    @property
+    def loaded_bytes(self) -> int:
+        return sum(self._bytes.values())
+
+    def prefetch(self, name: str, path: str) -> None:
+        """Start reading `name`'s file on the reader thread unless it is held or being read."""
+        with self._lock:
+            if name in self._loaded or (name in self._staged and self._staged[name][0] == path):
+                return
+            self._staged[name] = (path, self._reader.submit(self.engine.read_lora, path))
+            while len(self._staged) > 2 * self.max_loaded:  # reads nobody came back for
+                self._staged.popitem(last=False)
+
+    def _read(self, name: str, path: str) -> dict:
+        with self._lock:
+            staged = self._staged.pop(name, None)
+        if staged is not None and staged[0] == path:
+            self.prefetched += 1
+            return staged[1].result()  # re-raises the read's LoraError
+        return self.engine.read_lora(path)
+
+    def hold(self, name: str, path: str, pin: bool = False, keep: Iterable[str] = ()) -> None:
+        """Make `name` loaded here, evicting least recently used unpinned adapters (never one in
+        `keep`: the other adapters of the same call) until it fits."""
         if pin:
             self._pinned.add(name)
         if name in self._loaded:
             self._loaded.move_to_end(name)
             return
-        while len(self._loaded) >= self.max_loaded:
-            victim = next((n for n in self._loaded if n not in self._pinned), None)
+        try:
+            t = time.perf_counter()
+            state = self._read(name, path)
+            read_ms = (time.perf_counter() - t) * 1e3
+            size = state_bytes(state)
+            if pin and self.max_bytes is not None:
+                pinned = sum(self._bytes[n] for n in self._pinned if n in self._bytes)
+                if pinned + size > self.max_bytes:
+                    raise LoraError(
+                        f"pinned adapters would hold {(pinned + size) / 2**20:.3g} MiB on this replica, "
+                        f"over lora.max_loaded_mb={self.max_bytes / 2**20:g}; unpin one or raise it"
+                    )
+            self._make_room(size, pin, {name, *keep})
+        except LoraError:
+            if pin:
+                self._pinned.discard(name)
+            raise
+        t = time.perf_counter()
+        self.engine.load_lora(name, path, state)
+        self._loaded[name] = path
+        self._bytes[name] = size
+        self.loads += 1
+        logger.info(
+            "loaded adapter %s (%.3g MiB): read %.0f ms, installed in %.0f ms",
+            name,
+            size / 2**20,
+            read_ms,
+            (time.perf_counter() - t) * 1e3,
+        )
+        self._on_change(self.loaded)
+
+    def _make_room(self, size: int, pin: bool, keep: set[str]) -> None:
+        def over() -> bool:
+            if len(self._loaded) >= self.max_loaded:
+                return True
+            return self.max_bytes is not None and self.loaded_bytes + size > self.max_bytes
+
+        while over():
+            victim = next((n for n in self._loaded if n not in self._pinned and n not in keep), None)
             if victim is None:
-                if pin:
-                    self._pinned.discard(name)
+                if len(self._loaded) < self.max_loaded:
+                    # Over the size only: the call's adapters are held together even when their
+                    # sum passes max_loaded_mb; the next load evicts back under it.
+                    return
                 raise LoraError(
                     f"all {self.max_loaded} adapter slots of this replica hold pinned adapters "
                     f"({', '.join(self._loaded)}); unpin one or raise lora.max_loaded"
                 )
-            self.engine.unload_lora(victim)
-            del self._loaded[victim]
-            self.evictions += 1
-        t = time.perf_counter()
-        self.engine.load_lora(name, path)
-        self._loaded[name] = path
-        self.loads += 1
-        logger.info("loaded adapter %s in %.0f ms", name, (time.perf_counter() - t) * 1e3)
-        self._on_change(self.loaded)
+            self._evict(victim)
+
+    def _evict(self, name: str) -> None:
+        self.engine.unload_lora(name)
+        del self._loaded[name]
+        self._bytes.pop(name, None)
+        self.evictions += 1
 
     def unpin(self, name: str) -> None:
         self._pinned.discard(name)
@@ -63,10 +145,13 @@ class AdapterResidency:
     def drop(self, name: str) -> bool:
         """Evict `name` (pinned or not); False if it was not loaded here."""
         self._pinned.discard(name)
+        with self._lock:
+            self._staged.pop(name, None)
         if name not in self._loaded:
             return False
         self.engine.unload_lora(name)
         del self._loaded[name]
+        self._bytes.pop(name, None)
         self._on_change(self.loaded)
         return True
 
@@ -74,3 +159,6 @@ class AdapterResidency:
         """Load a candidate file under a scratch name and drop it again; LoraError if unusable."""
         self.engine.load_lora("__candidate__", path)
         self.engine.unload_lora("__candidate__")
+
+    def close(self) -> None:
+        self._reader.shutdown(wait=False, cancel_futures=True)

@@ -93,7 +93,12 @@ class DiffusionReplica:
             on_retire=self._on_retire,
             max_adapters=lora_cfg.max_loaded,
         )
-        self.adapters = AdapterResidency(self.engine, lora_cfg.max_loaded, on_change=report_adapters)
+        self.adapters = AdapterResidency(
+            self.engine,
+            lora_cfg.max_loaded,
+            on_change=report_adapters,
+            max_bytes=None if lora_cfg.max_loaded_mb is None else int(lora_cfg.max_loaded_mb * 2**20),
+        )
         self.profiler = Profiler(ProfilingConfig.model_validate(profiling or {}).trace_dir, self._on_engine)
         self.health = Health(
             self.replica_cfg.max_consecutive_failures, self.replica_cfg.engine_call_timeout_s
@@ -104,7 +109,10 @@ class DiffusionReplica:
         # a replacement) holds the pinned adapters like the others, without anyone asking.
         for name, entry in Registry(lora_cfg.registry_path).all().items():
             if entry.get("pinned"):
-                self._engine_thread.submit(self.adapters.hold, name, entry["path"], True).result()
+                try:
+                    self._engine_thread.submit(self.adapters.hold, name, entry["path"], True).result()
+                except LoraError as e:  # a file gone or over the size budget: serve without it
+                    logger.warning("pinned adapter %s not held: %s", name, e)
 
     def _start_engine(self, factory, timeout_s: float) -> Engine:
         """Build (load and warm up) the engine on the engine thread, within `timeout_s`."""
@@ -229,6 +237,8 @@ class DiffusionReplica:
             preview_every=preview_every,
             adapter=adapter,
         )
+        for ref in request.loras:  # read files the replica lacks while the engine runs its calls
+            self.adapters.prefetch(ref.name, ref.path)
         self.scheduler.submit(job)
         self._ensure_loop()
         self._counts["accepted"] += 1
@@ -328,10 +338,11 @@ class DiffusionReplica:
         """On the engine thread: load the call's adapter if this replica lacks it, then run the
         rows in pipeline calls of at most `max_batch_images` (one call unless one job is larger)."""
         request, params = batch[0].payload
-        # Every adapter of the call's requests; the scheduler puts at most max_loaded in a call.
-        for job in batch:
-            for ref in job.payload[0].loras:
-                self.adapters.hold(ref.name, ref.path)
+        # Every adapter of the call's requests; the scheduler puts at most max_loaded in a call,
+        # and none of them is evicted to make room for another.
+        refs = [ref for job in batch for ref in job.payload[0].loras]
+        for ref in refs:
+            self.adapters.hold(ref.name, ref.path, keep=[r.name for r in refs])
         size = self.batching.max_batch_images
         chunks = [rows[k : k + size] for k in range(0, len(rows), size)]
         parts = []
@@ -421,6 +432,7 @@ class DiffusionReplica:
         counts.update(
             lora_loads=self.adapters.loads,
             lora_evictions=self.adapters.evictions,
+            lora_prefetched=self.adapters.prefetched,
             self_tests_passed=self.health.self_tests_passed,
         )
         return ReplicaStats(
@@ -435,6 +447,7 @@ class DiffusionReplica:
             rss_mb=round(_rss_mb(), 1),
             batching=self.batching.model_dump(),
             loras_loaded=self.adapters.loaded,
+            loras_loaded_mb=round(self.adapters.loaded_bytes / 2**20, 3),
             engine_failures_in_a_row=self.health.consecutive_failures,
             counts=counts,
         )
@@ -463,6 +476,8 @@ class DiffusionReplica:
         for pool in (getattr(self, "_engine_thread", None), getattr(self, "_cpu_pool", None)):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
+        if getattr(self, "adapters", None) is not None:
+            self.adapters.close()
 
 
 def _node_id() -> str | None:
