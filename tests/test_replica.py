@@ -403,8 +403,9 @@ def test_a_fatal_device_error_hands_every_request_back(faulty):
 
 
 def test_requests_with_different_single_adapters_share_a_call_within_the_rules():
-    """The scheduler's rule for mixed-adapter calls, as pure policy: one scale per adapter name
-    in a call, at most `max_adapters` names, and requests with no adapter join any call."""
+    """The scheduler's rule for mixed-adapter calls, as pure policy: at most `max_adapters`
+    names in a call (one name at several scales counts once), and requests with no adapter join
+    any call."""
     from serve_app.config import BatchingConfig
     from serve_app.replica.scheduler import Job, Scheduler
 
@@ -420,8 +421,8 @@ def test_requests_with_different_single_adapters_share_a_call_within_the_rules()
             s.submit(job(rid, adapter))
         return [j.request_id for j in s.gather()]
 
-    # c: red at another scale; e: a third name over the limit of 2.
-    assert asyncio.run(go()) == ["a", "b", "d", "f"]
+    # e: a third name over the limit of 2; c: red at another scale, still one name.
+    assert asyncio.run(go()) == ["a", "b", "c", "d", "f"]
 
 
 def _adapter_req(rid: str, tmp_path, name: str, size: int = 400) -> PreparedRequest:

@@ -724,26 +724,45 @@ class DiffusionEngine:
             return lambda: None
         if any(len(s) > 1 for s in sets):
             raise ValueError("rows with several adapters each cannot share a call with other adapters")
-        union = dict(s[0] for s in sets if s)
-        if any(union[s[0][0]] != s[0][1] for s in sets if s):
-            raise ValueError("one adapter at two scales cannot share a call")
+        from peft.tuners.lora import LoraLayer
+
+        layers = [m for m in find_denoiser(self.pipe).modules() if isinstance(m, LoraLayer)]
+        # One scale per adapter name is set the usual way; a second scale of the same adapter
+        # gets an alias in every layer that shares its weights and has its own scaling.
+        union: dict[str, float] = {}
+        names, aliases = [], {}  # (name, scale) -> alias
+        for s in sets:
+            if not s or s[0][1] == 0:
+                names.append("__base__")
+                continue
+            name, scale = s[0]
+            union.setdefault(name, scale)
+            if union[name] == scale:
+                names.append(name)
+                continue
+            if (name, scale) not in aliases:  # "@": in no adapter's name (lora.NAME_PATTERN)
+                aliases[name, scale] = alias = f"{name}@{len(aliases)}"
+                for m in layers:
+                    if name in m.lora_A:
+                        _alias_adapter(m, name, alias, scale)
+            names.append(aliases[name, scale])
         self._apply_lora(tuple(union.items()))
-        names = [s[0][0] if s and s[0][1] != 0 else "__base__" for s in sets]
 
         def name_rows(module, args, kwargs):
             x = args[0] if args else next(iter(kwargs.values()))
             kwargs["adapter_names"] = names * (x.shape[0] // len(names))
             return args, kwargs
 
-        from peft.tuners.lora import LoraLayer
+        hooks = [m.register_forward_pre_hook(name_rows, with_kwargs=True) for m in layers]
 
-        denoiser = find_denoiser(self.pipe)
-        hooks = [
-            m.register_forward_pre_hook(name_rows, with_kwargs=True)
-            for m in denoiser.modules()
-            if isinstance(m, LoraLayer)
-        ]
-        return lambda: [h.remove() for h in hooks]
+        def undo() -> None:
+            for h in hooks:
+                h.remove()
+            for m in layers:
+                for alias in aliases.values():
+                    _drop_alias(m, alias)
+
+        return undo
 
     def _apply_lora(self, loras: tuple[tuple[str, float], ...]) -> None:
         """Make exactly these adapters active at their scales, in name order (none, or every
@@ -895,3 +914,20 @@ class DiffusionEngine:
         self.pipe = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _alias_adapter(layer, name: str, alias: str, scale: float) -> None:
+    """Make `alias` a second handle on `layer`'s adapter `name` (the same modules, no copy) at
+    `scale`, for PEFT's mixed-batch forward, which reads an adapter's modules and scaling by name."""
+    layer.lora_A[alias] = layer.lora_A[name]
+    layer.lora_B[alias] = layer.lora_B[name]
+    layer.lora_dropout[alias] = layer.lora_dropout[name]
+    rank = layer.r[name] ** 0.5 if layer.use_rslora.get(name, False) else layer.r[name]  # as PEFT's set_scale
+    layer.scaling[alias] = scale * layer.lora_alpha[name] / rank
+
+
+def _drop_alias(layer, alias: str) -> None:
+    for table in (layer.lora_A, layer.lora_B, layer.lora_dropout):
+        if alias in table:
+            del table[alias]
+    layer.scaling.pop(alias, None)

@@ -41,8 +41,8 @@ class Job:
     total_steps: int = 0  # steps of all its pipeline calls, once it runs
     listeners: list[asyncio.Queue] = field(default_factory=list)
     # A job with one adapter (or none) may share a call with jobs of other single adapters:
-    # its (name, scale), or None. Within a call one name has one scale (adapter scales are per
-    # name on the engine) and at most `max_adapters` names are held at once.
+    # its (name, scale), or None. A call holds at most `max_adapters` names; one name may come
+    # at several scales (the engine gives a second scale its own handle on the same weights).
     adapter: tuple[str, float] | None = None
 
 
@@ -104,7 +104,7 @@ class Scheduler:
         head = self.queue[0]
         limit = self.batching.max_batch_images
         batch, images = [head], len(head.rows)
-        adapters = dict([head.adapter]) if head.adapter else {}
+        adapters = {head.adapter[0]} if head.adapter else set()
         for job in list(self.queue)[1:]:
             if images >= limit:
                 break
@@ -112,17 +112,12 @@ class Scheduler:
                 batch.append(job)
                 images += len(job.rows)
                 if job.adapter:
-                    adapters[job.adapter[0]] = job.adapter[1]
+                    adapters.add(job.adapter[0])
         return batch
 
-    def _fits(self, adapters: dict[str, float], job: Job) -> bool:
-        """Whether `job`'s adapter can join a call holding `adapters` (name -> scale)."""
-        if job.adapter is None:
-            return True
-        name, scale = job.adapter
-        if name in adapters:
-            return adapters[name] == scale
-        return len(adapters) < self.max_adapters
+    def _fits(self, adapters: set[str], job: Job) -> bool:
+        """Whether `job`'s adapter can join a call holding `adapters` (names)."""
+        return job.adapter is None or job.adapter[0] in adapters or len(adapters) < self.max_adapters
 
     def fill_deadline(self, batch: list[Job], images: int) -> float:
         """When a call led by `batch[0]` stops waiting for company: `batch_wait_ms` after the head
