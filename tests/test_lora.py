@@ -215,17 +215,18 @@ def test_unknown_adapter_on_a_request_is_404(lora_app, client):
 
 def test_requests_with_different_adapters_share_one_call_over_http(client):
     """On the shared app (one replica, a 100 ms batch window): a request with adapter A, one
-    with adapter B, one with none and one with A at half its scale, sent together, run as one
-    pipeline call, and each gets the image it gets alone."""
+    with adapter B, one with none, one with A at half its scale and one stacking both, sent
+    together, run as one pipeline call, and each gets the image it gets alone."""
     from serve_app.lora import make_adapter
 
     for name, seed in (("mix-a", 31), ("mix-b", 32)):
         path = make_adapter(str(ADAPTER_DIR / f"{name}.safetensors"), seed=seed, strength=2.0)
         assert client.post("/v1/loras", json={"name": name, "path": str(path)}).status_code == 200
     try:
-        loras = ({"name": "mix-a"}, {"name": "mix-b"}, None, {"name": "mix-a", "scale": 0.5})
-        bodies = [{"prompt": "a cat", "seed": 5, "size": "32x32", **({"lora": lora} if lora else {})}
-                  for lora in loras]  # fmt: skip
+        both = [{"name": "mix-a", "scale": 0.6}, {"name": "mix-b", "scale": 0.4}]
+        loras = ({"lora": {"name": "mix-a"}}, {"lora": {"name": "mix-b"}}, {},
+                 {"lora": {"name": "mix-a", "scale": 0.5}}, {"loras": both})  # fmt: skip
+        bodies = [{"prompt": "a cat", "seed": 5, "size": "32x32", **lora} for lora in loras]
 
         def post(body):
             r = client.post("/v1/images/generations", json=body)
@@ -233,13 +234,14 @@ def test_requests_with_different_adapters_share_one_call_over_http(client):
             return r.json()
 
         alone = [post(b) for b in bodies]
-        with cf.ThreadPoolExecutor(4) as pool:
+        with cf.ThreadPoolExecutor(5) as pool:
             together = list(pool.map(post, bodies))
-        assert all(t["metrics"]["batch_requests"] == 4 for t in together), [t["metrics"] for t in together]
+        assert all(t["metrics"]["batch_requests"] == 5 for t in together), [t["metrics"] for t in together]
         for a, t in zip(alone, together, strict=True):
             assert np.abs(decoded(a) - decoded(t)).max() <= 3
         assert np.abs(decoded(together[0]) - decoded(together[1])).max() > 5  # the adapters differ
         assert np.abs(decoded(together[0]) - decoded(together[3])).max() > 5  # and so do the scales
+        assert np.abs(decoded(together[0]) - decoded(together[4])).max() > 5  # and the stack
     finally:
         for name in ("mix-a", "mix-b"):
             client.delete(f"/v1/loras/{name}")

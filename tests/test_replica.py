@@ -402,10 +402,10 @@ def test_a_fatal_device_error_hands_every_request_back(faulty):
         faulty.health.fatal = None
 
 
-def test_requests_with_different_single_adapters_share_a_call_within_the_rules():
+def test_requests_with_different_adapters_share_a_call_within_the_rules():
     """The scheduler's rule for mixed-adapter calls, as pure policy: at most `max_adapters`
-    names in a call (one name at several scales counts once), and requests with no adapter join
-    any call."""
+    names in a call counting every adapter of every request once (sets and scales do not
+    matter), and requests with no adapter join any call."""
     from serve_app.config import BatchingConfig
     from serve_app.replica.scheduler import Job, Scheduler
 
@@ -413,15 +413,15 @@ def test_requests_with_different_single_adapters_share_a_call_within_the_rules()
         s = Scheduler(BatchingConfig(max_batch_images=8), max_adapters=2)
         loop = asyncio.get_running_loop()
 
-        def job(rid, adapter):
-            return Job(rid, rows=[rid], key="k", steps=3, future=loop.create_future(), adapter=adapter)
+        def job(rid, adapters):
+            return Job(rid, rows=[rid], key="k", steps=3, future=loop.create_future(), adapters=adapters)
 
-        for rid, adapter in [("a", ("red", 1.0)), ("b", ("blue", 0.5)), ("c", ("red", 0.5)),
-                             ("d", None), ("e", ("green", 1.0)), ("f", ("red", 1.0))]:  # fmt: skip
-            s.submit(job(rid, adapter))
+        for rid, adapters in [("a", ("red",)), ("b", ("blue", "red")), ("c", ("red",)), ("d", ()),
+                              ("e", ("green",)), ("g", ("blue", "green")), ("f", ("blue",))]:  # fmt: skip
+            s.submit(job(rid, adapters))
         return [j.request_id for j in s.gather()]
 
-    # e: a third name over the limit of 2; c: red at another scale, still one name.
+    # e and g: a third name over the limit of 2; b's set and c (red again, at any scale) fit.
     assert asyncio.run(go()) == ["a", "b", "c", "d", "f"]
 
 

@@ -712,41 +712,40 @@ class DiffusionEngine:
         """Put each row's adapters in force; returns the undo.
 
         Rows with one adapter set (the call's `params.loras`, or the same `Row.adapters`) get it
-        the usual way. Rows with different single adapters share the call through PEFT's mixed
-        batches: every adapter of the call is active at its scale, and a forward pre-hook on
-        each LoRA layer names the adapter of every row of its input (the base layer runs once
-        for the whole batch; each row adds its own low-rank delta; rows without one get the base
-        output). The denoiser's batch is the rows repeated (the halves of classifier-free
-        guidance), so the names repeat with them."""
-        sets = [r.adapters or params.loras for r in rows]
+        the usual way. Rows with different sets share the call through PEFT's mixed batches: a
+        forward pre-hook on each LoRA layer names the adapter of every row of its input (the
+        base layer runs once for the whole batch; each row adds its own low-rank delta; rows
+        without one get the base output). The denoiser's batch is the rows repeated (the halves
+        of classifier-free guidance), so the names repeat with them.
+
+        A single adapter is named as it is, at the first scale the call gives it. A row's other
+        set (several adapters, or an adapter at a second scale) gets a handle of its own in each
+        layer for this call: its adapters' A matrices stacked and their scaled B matrices side
+        by side, one LoRA of the summed rank whose delta is the sum of theirs."""
+        sets = [tuple(sorted((n, sc) for n, sc in r.adapters or params.loras if sc != 0)) for r in rows]
         if all(s == sets[0] for s in sets):
             self._apply_lora(sets[0])
             return lambda: None
-        if any(len(s) > 1 for s in sets):
-            raise ValueError("rows with several adapters each cannot share a call with other adapters")
         from peft.tuners.lora import LoraLayer
 
         layers = [m for m in find_denoiser(self.pipe).modules() if isinstance(m, LoraLayer)]
-        # One scale per adapter name is set the usual way; a second scale of the same adapter
-        # gets an alias in every layer that shares its weights and has its own scaling.
         union: dict[str, float] = {}
-        names, aliases = [], {}  # (name, scale) -> alias
+        names, handles = [], {}  # adapter set -> its handle's name
         for s in sets:
-            if not s or s[0][1] == 0:
+            if not s:
                 names.append("__base__")
-                continue
-            name, scale = s[0]
-            union.setdefault(name, scale)
-            if union[name] == scale:
-                names.append(name)
-                continue
-            if (name, scale) not in aliases:  # "@": in no adapter's name (lora.NAME_PATTERN)
-                aliases[name, scale] = alias = f"{name}@{len(aliases)}"
-                for m in layers:
-                    if name in m.lora_A:
-                        _alias_adapter(m, name, alias, scale)
-            names.append(aliases[name, scale])
+            elif len(s) == 1 and union.setdefault(*s[0]) == s[0][1]:
+                names.append(s[0][0])
+            else:
+                if s not in handles:  # "+" and "@" are in no adapter's name (lora.NAME_PATTERN)
+                    handles[s] = "+".join(n for n, _ in s) + f"@{len(handles)}"
+                    for m in layers:
+                        _add_handle(m, handles[s], s)
+                names.append(handles[s])
         self._apply_lora(tuple(union.items()))
+        if not union:  # the handles run only while LoRA is on
+            self.pipe.enable_lora()
+            self._active_lora = ()
 
         def name_rows(module, args, kwargs):
             x = args[0] if args else next(iter(kwargs.values()))
@@ -759,8 +758,8 @@ class DiffusionEngine:
             for h in hooks:
                 h.remove()
             for m in layers:
-                for alias in aliases.values():
-                    _drop_alias(m, alias)
+                for handle in handles.values():
+                    _drop_handle(m, handle)
 
         return undo
 
@@ -916,18 +915,35 @@ class DiffusionEngine:
             torch.cuda.empty_cache()
 
 
-def _alias_adapter(layer, name: str, alias: str, scale: float) -> None:
-    """Make `alias` a second handle on `layer`'s adapter `name` (the same modules, no copy) at
-    `scale`, for PEFT's mixed-batch forward, which reads an adapter's modules and scaling by name."""
-    layer.lora_A[alias] = layer.lora_A[name]
-    layer.lora_B[alias] = layer.lora_B[name]
-    layer.lora_dropout[alias] = layer.lora_dropout[name]
-    rank = layer.r[name] ** 0.5 if layer.use_rslora.get(name, False) else layer.r[name]  # as PEFT's set_scale
-    layer.scaling[alias] = scale * layer.lora_alpha[name] / rank
+def _unit_scaling(layer, name: str) -> float:
+    """The scaling of `layer`'s adapter `name` at scale 1 (as PEFT's set_scale computes it)."""
+    rank = layer.r[name] ** 0.5 if layer.use_rslora.get(name, False) else layer.r[name]
+    return layer.lora_alpha[name] / rank
 
 
-def _drop_alias(layer, alias: str) -> None:
+def _add_handle(layer, handle: str, adapters: tuple[tuple[str, float], ...]) -> None:
+    """Give `layer` a LoRA named `handle` whose delta is the sum of `adapters`' deltas at their
+    scales: A matrices stacked along the rank, scaled B matrices side by side. Layers none of
+    them adapts get nothing (PEFT's mixed forward leaves such rows at the base output)."""
+    import copy
+
+    present = [(n, sc * _unit_scaling(layer, n)) for n, sc in adapters if n in layer.lora_A]
+    if not present:
+        return
+    first = present[0][0]
+    a, b = copy.deepcopy(layer.lora_A[first]), copy.deepcopy(layer.lora_B[first])
+    with torch.no_grad():
+        a.weight = torch.nn.Parameter(torch.cat([layer.lora_A[n].weight for n, _ in present], 0), False)
+        b.weight = torch.nn.Parameter(torch.cat([k * layer.lora_B[n].weight for n, k in present], 1), False)
+        if b.bias is not None:
+            b.bias = torch.nn.Parameter(sum(k * layer.lora_B[n].bias for n, k in present), False)
+    layer.lora_A[handle], layer.lora_B[handle] = a, b
+    layer.lora_dropout[handle] = torch.nn.Identity()
+    layer.scaling[handle] = 1.0
+
+
+def _drop_handle(layer, handle: str) -> None:
     for table in (layer.lora_A, layer.lora_B, layer.lora_dropout):
-        if alias in table:
-            del table[alias]
-    layer.scaling.pop(alias, None)
+        if handle in table:
+            del table[handle]
+    layer.scaling.pop(handle, None)

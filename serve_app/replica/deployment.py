@@ -221,11 +221,10 @@ class DiffusionReplica:
             vae_tiling=request.vae_use_tiling,
         )
         # SDXL treats an absent negative prompt differently from an empty one: keep them apart.
-        adapter = None
-        if len(request.loras) == 1:  # may share a call with other single-adapter requests
-            adapter = (request.loras[0].name, request.loras[0].scale)
+        if request.loras:  # on the rows, not in the key: may share a call with other adapters
+            adapters = tuple((r.name, r.scale) for r in request.loras)
             params = dataclasses.replace(params, loras=())
-            rows = [dataclasses.replace(r, adapters=(adapter,)) for r in rows]
+            rows = [dataclasses.replace(r, adapters=adapters) for r in rows]
         key = (params, request.negative_prompt is None, *(t is None for t in embeds.values()))
         job = Job(
             request_id=rid,
@@ -235,7 +234,7 @@ class DiffusionReplica:
             future=asyncio.get_running_loop().create_future(),
             payload=(request, params),
             preview_every=preview_every,
-            adapter=adapter,
+            adapters=tuple(r.name for r in request.loras),
         )
         for ref in request.loras:  # read files the replica lacks while the engine runs its calls
             self.adapters.prefetch(ref.name, ref.path)

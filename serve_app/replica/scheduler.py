@@ -40,10 +40,9 @@ class Job:
     step: int = 0
     total_steps: int = 0  # steps of all its pipeline calls, once it runs
     listeners: list[asyncio.Queue] = field(default_factory=list)
-    # A job with one adapter (or none) may share a call with jobs of other single adapters:
-    # its (name, scale), or None. A call holds at most `max_adapters` names; one name may come
-    # at several scales (the engine gives a second scale its own handle on the same weights).
-    adapter: tuple[str, float] | None = None
+    # The names of the job's adapters. Jobs with different adapters (or sets, or scales) may
+    # share a call while the call names at most `max_adapters` adapters in all.
+    adapters: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -104,20 +103,19 @@ class Scheduler:
         head = self.queue[0]
         limit = self.batching.max_batch_images
         batch, images = [head], len(head.rows)
-        adapters = {head.adapter[0]} if head.adapter else set()
+        adapters = set(head.adapters)
         for job in list(self.queue)[1:]:
             if images >= limit:
                 break
             if job.key == head.key and images + len(job.rows) <= limit and self._fits(adapters, job):
                 batch.append(job)
                 images += len(job.rows)
-                if job.adapter:
-                    adapters.add(job.adapter[0])
+                adapters.update(job.adapters)
         return batch
 
     def _fits(self, adapters: set[str], job: Job) -> bool:
-        """Whether `job`'s adapter can join a call holding `adapters` (names)."""
-        return job.adapter is None or job.adapter[0] in adapters or len(adapters) < self.max_adapters
+        """Whether `job`'s adapters can join a call holding `adapters` (names)."""
+        return len(adapters.union(job.adapters)) <= self.max_adapters
 
     def fill_deadline(self, batch: list[Job], images: int) -> float:
         """When a call led by `batch[0]` stops waiting for company: `batch_wait_ms` after the head
