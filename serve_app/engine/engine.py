@@ -483,6 +483,9 @@ class DiffusionEngine:
         for task, auto in (("img2img", AutoPipelineForImage2Image), ("inpaint", AutoPipelineForInpainting)):
             if task == "img2img" and "edit" in out:
                 continue
+            unet = getattr(self.pipe, "unet", None)
+            if task == "inpaint" and unet is not None and unet.config.in_channels not in (4, 9):
+                continue  # diffusers' UNet inpainting takes 4 latent channels (or 9 with the mask)
             try:
                 derived = auto.from_pipe(self.pipe)
             except Exception:  # no such pipeline for this family in diffusers
