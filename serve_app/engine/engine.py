@@ -734,18 +734,28 @@ class DiffusionEngine:
         layers = [m for m in find_denoiser(self.pipe).modules() if isinstance(m, LoraLayer)]
         union: dict[str, float] = {}
         names, handles = [], {}  # adapter set -> its handle's name
-        for s in sets:
-            if not s:
-                names.append("__base__")
-            elif len(s) == 1 and union.setdefault(*s[0]) == s[0][1]:
-                names.append(s[0][0])
-            else:
-                if s not in handles:  # "+" and "@" are in no adapter's name (lora.NAME_PATTERN)
-                    handles[s] = "+".join(n for n, _ in s) + f"@{len(handles)}"
-                    for m in layers:
-                        _add_handle(m, handles[s], s)
-                names.append(handles[s])
-        self._apply_lora(tuple(union.items()))
+
+        def drop_handles() -> None:
+            for m in layers:
+                for handle in handles.values():
+                    _drop_handle(m, handle)
+
+        try:
+            for s in sets:
+                if not s:
+                    names.append("__base__")
+                elif len(s) == 1 and union.setdefault(*s[0]) == s[0][1]:
+                    names.append(s[0][0])
+                else:
+                    if s not in handles:  # "+" and "@" are in no adapter's name (lora.NAME_PATTERN)
+                        handles[s] = "+".join(n for n, _ in s) + f"@{len(handles)}"
+                        for m in layers:
+                            _add_handle(m, handles[s], s)
+                    names.append(handles[s])
+            self._apply_lora(tuple(union.items()))
+        except BaseException:
+            drop_handles()
+            raise
         if not union:  # the handles run only while LoRA is on
             self.pipe.enable_lora()
             self._active_lora = ()
@@ -760,9 +770,7 @@ class DiffusionEngine:
         def undo() -> None:
             for h in hooks:
                 h.remove()
-            for m in layers:
-                for handle in handles.values():
-                    _drop_handle(m, handle)
+            drop_handles()
 
         return undo
 

@@ -95,7 +95,7 @@ class AdapterResidency:
                         f"pinned adapters would hold {(pinned + size) / 2**20:.3g} MiB on this replica, "
                         f"over lora.max_loaded_mb={self.max_bytes / 2**20:g}; unpin one or raise it"
                     )
-            self._make_room(size, pin, {name, *keep})
+            self._make_room(size, {name, *keep})
         except LoraError:
             if pin:
                 self._pinned.discard(name)
@@ -114,7 +114,7 @@ class AdapterResidency:
         )
         self._on_change(self.loaded)
 
-    def _make_room(self, size: int, pin: bool, keep: set[str]) -> None:
+    def _make_room(self, size: int, keep: set[str]) -> None:
         def over() -> bool:
             if len(self._loaded) >= self.max_loaded:
                 return True
