@@ -8,6 +8,7 @@ requests share a call; the engine only runs it and says where the time went.
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 import json
@@ -936,8 +937,6 @@ def _add_handle(layer, handle: str, adapters: tuple[tuple[str, float], ...]) -> 
     """Give `layer` a LoRA named `handle` whose delta is the sum of `adapters`' deltas at their
     scales: A matrices stacked along the rank, scaled B matrices side by side. Layers none of
     them adapts get nothing (PEFT's mixed forward leaves such rows at the base output)."""
-    import copy
-
     present = [(n, sc * _unit_scaling(layer, n)) for n, sc in adapters if n in layer.lora_A]
     if not present:
         return

@@ -20,7 +20,7 @@ from serve_app.engine import LoraError
 logger = logging.getLogger("ray.serve")
 
 
-def state_bytes(state: dict) -> int:
+def _state_bytes(state: dict) -> int:
     return sum(v.numel() * v.element_size() for v in state.values())
 
 
@@ -35,8 +35,8 @@ class AdapterResidency:
         self.engine = engine
         self.max_loaded = max_loaded
         self.max_bytes = max_bytes
-        self._loaded: collections.OrderedDict[str, str] = collections.OrderedDict()  # LRU first
-        self._bytes: dict[str, int] = {}
+        # name -> bytes of its weights, least recently used first
+        self._loaded: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._pinned: set[str] = set()
         self._on_change = on_change or (lambda names: None)
         self._lock = threading.Lock()  # `_staged` is filled on the event loop, emptied on the engine thread
@@ -56,7 +56,7 @@ class AdapterResidency:
 
     @property
     def loaded_bytes(self) -> int:
-        return sum(self._bytes.values())
+        return sum(self._loaded.values())
 
     def prefetch(self, name: str, path: str) -> None:
         """Start reading `name`'s file on the reader thread unless it is held or being read."""
@@ -87,9 +87,9 @@ class AdapterResidency:
             t = time.perf_counter()
             state = self._read(name, path)
             read_ms = (time.perf_counter() - t) * 1e3
-            size = state_bytes(state)
+            size = _state_bytes(state)
             if pin and self.max_bytes is not None:
-                pinned = sum(self._bytes[n] for n in self._pinned if n in self._bytes)
+                pinned = sum(self._loaded[n] for n in self._pinned if n in self._loaded)
                 if pinned + size > self.max_bytes:
                     raise LoraError(
                         f"pinned adapters would hold {(pinned + size) / 2**20:.3g} MiB on this replica, "
@@ -102,8 +102,7 @@ class AdapterResidency:
             raise
         t = time.perf_counter()
         self.engine.load_lora(name, path, state)
-        self._loaded[name] = path
-        self._bytes[name] = size
+        self._loaded[name] = size
         self.loads += 1
         logger.info(
             "loaded adapter %s (%.3g MiB): read %.0f ms, installed in %.0f ms",
@@ -131,13 +130,12 @@ class AdapterResidency:
                     f"all {self.max_loaded} adapter slots of this replica hold pinned adapters "
                     f"({', '.join(self._loaded)}); unpin one or raise lora.max_loaded"
                 )
-            self._evict(victim)
+            self._unload(victim)
+            self.evictions += 1
 
-    def _evict(self, name: str) -> None:
+    def _unload(self, name: str) -> None:
         self.engine.unload_lora(name)
         del self._loaded[name]
-        self._bytes.pop(name, None)
-        self.evictions += 1
 
     def unpin(self, name: str) -> None:
         self._pinned.discard(name)
@@ -149,9 +147,7 @@ class AdapterResidency:
             self._staged.pop(name, None)
         if name not in self._loaded:
             return False
-        self.engine.unload_lora(name)
-        del self._loaded[name]
-        self._bytes.pop(name, None)
+        self._unload(name)
         self._on_change(self.loaded)
         return True
 

@@ -340,8 +340,9 @@ class DiffusionReplica:
         # Every adapter of the call's requests; the scheduler puts at most max_loaded in a call,
         # and none of them is evicted to make room for another.
         refs = [ref for job in batch for ref in job.payload[0].loras]
+        names = {ref.name for ref in refs}
         for ref in refs:
-            self.adapters.hold(ref.name, ref.path, keep=[r.name for r in refs])
+            self.adapters.hold(ref.name, ref.path, keep=names)
         size = self.batching.max_batch_images
         chunks = [rows[k : k + size] for k in range(0, len(rows), size)]
         parts = []
