@@ -10,7 +10,7 @@ adapter against a request with a loaded one. Goal: alternating >= 0.9x one adapt
 
 Then `--tenants` clients (8) three ways in the same run: every client with its own adapter,
 all with one shared adapter, and none with an adapter. Requests with different adapters share
-pipeline calls (PEFT's mixed batches), so goal: distinct >= 0.85x shared.
+pipeline calls (per-row deltas, `serve_app.engine.row_lora`), so goal: distinct >= 0.85x shared.
 """
 
 from __future__ import annotations

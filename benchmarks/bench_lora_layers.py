@@ -1,6 +1,8 @@
-"""What a LoRA costs per layer type: base layer, merged adapter, one unmerged adapter, and a
-mixed batch with a different adapter per row (PEFT's `adapter_names`, what the engine uses
-when requests with different adapters share a call). Same process, same shapes, one run.
+"""What a LoRA costs per layer type: base layer, merged adapter, one unmerged adapter, a batch
+with a different adapter per row as the engine runs it when requests with different adapters
+share a call (`serve_app.engine.row_lora`: gathered per-row weights, batched products), and
+the same batch through PEFT's own mixed batches (`adapter_names`, one sub-batch per adapter).
+Same process, same shapes, one run.
 
     python benchmarks/bench_lora_layers.py                     # CPU
     python benchmarks/bench_lora_layers.py --device cuda --scale 2
@@ -44,6 +46,8 @@ def main() -> None:
     a = ap.parse_args()
     from peft import LoraConfig, get_peft_model
 
+    from serve_app.engine.row_lora import apply_row_adapters
+
     torch.manual_seed(0)
     dev = torch.device(a.device)
     sync = torch.cuda.synchronize if a.device == "cuda" else (lambda: None)
@@ -54,7 +58,8 @@ def main() -> None:
     }
     names = [f"t{i}" for i in range(a.batch)]
     print(f"{a.device}, batch {a.batch}, rank {a.rank}, channels {c}, {side}x{side}")
-    print(f"{'layer':<32}{'base':>9}{'merged':>9}{'1 adapter':>11}{'per-row':>10}   ratios to base")
+    head = f"{'base':>9}{'merged':>9}{'1 adapter':>11}{'per-row':>10}{'peft-mix':>10}"
+    print(f"{'layer':<32}{head}   ratios to base")
     with torch.no_grad():
         for label, (layer, x) in cases.items():
             model = nn.Sequential()
@@ -69,12 +74,21 @@ def main() -> None:
             base = timed(lambda: lora_layer.base_layer(x), a.iters, sync)  # noqa: B023
             peft_model.set_adapter(names[0])
             one = timed(lambda: peft_model(x), a.iters, sync)  # noqa: B023
-            mixed = timed(lambda: peft_model(x, adapter_names=names), a.iters, sync)  # noqa: B023
+            peft_mixed = timed(lambda: peft_model(x, adapter_names=names), a.iters, sync)  # noqa: B023
+            undo = apply_row_adapters(peft_model, [((n, 1.0),) for n in names])
+            try:
+                mixed = timed(lambda: peft_model(x), a.iters, sync)  # noqa: B023
+            finally:
+                undo()
             peft_model.merge_adapter()
             merged = timed(lambda: peft_model(x), a.iters, sync)  # noqa: B023
             peft_model.unmerge_adapter()
-            ratios = f"merged {merged / base:.2f}x, one {one / base:.2f}x, per-row {mixed / base:.2f}x"
-            print(f"{label:<32}{base:>9.2f}{merged:>9.2f}{one:>11.2f}{mixed:>10.2f}   {ratios}")
+            ratios = (
+                f"merged {merged / base:.2f}x, one {one / base:.2f}x, per-row {mixed / base:.2f}x, "
+                f"peft-mix {peft_mixed / base:.2f}x"
+            )
+            times = f"{base:>9.2f}{merged:>9.2f}{one:>11.2f}{mixed:>10.2f}{peft_mixed:>10.2f}"
+            print(f"{label:<32}{times}   {ratios}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,6 @@ requests share a call; the engine only runs it and says where the time went.
 
 from __future__ import annotations
 
-import copy
 import importlib
 import inspect
 import json
@@ -26,6 +25,7 @@ import torch
 from serve_app.config import BUILTIN_PREFIX, ModelConfig
 from serve_app.engine.families import Family, describe_pipeline, image_latents
 from serve_app.engine.media import encode_image
+from serve_app.engine.row_lora import apply_row_adapters
 
 logger = logging.getLogger(__name__)
 
@@ -716,64 +716,13 @@ class DiffusionEngine:
         """Put each row's adapters in force; returns the undo.
 
         Rows with one adapter set (the call's `params.loras`, or the same `Row.adapters`) get it
-        the usual way. Rows with different sets share the call through PEFT's mixed batches: a
-        forward pre-hook on each LoRA layer names the adapter of every row of its input (the
-        base layer runs once for the whole batch; each row adds its own low-rank delta; rows
-        without one get the base output). The denoiser's batch is the rows repeated (the halves
-        of classifier-free guidance), so the names repeat with them.
-
-        A single adapter is named as it is, at the first scale the call gives it. A row's other
-        set (several adapters, or an adapter at a second scale) gets a handle of its own in each
-        layer for this call: its adapters' A matrices stacked and their scaled B matrices side
-        by side, one LoRA of the summed rank whose delta is the sum of theirs."""
+        the usual way. Rows with different sets or scales share the call: the base layers run
+        once for the whole batch and each row adds its own low-rank deltas (`row_lora`)."""
         sets = [tuple(sorted((n, sc) for n, sc in r.adapters or params.loras if sc != 0)) for r in rows]
         if all(s == sets[0] for s in sets):
             self._apply_lora(sets[0])
             return lambda: None
-        from peft.tuners.lora import LoraLayer
-
-        layers = [m for m in find_denoiser(self.pipe).modules() if isinstance(m, LoraLayer)]
-        union: dict[str, float] = {}
-        names, handles = [], {}  # adapter set -> its handle's name
-
-        def drop_handles() -> None:
-            for m in layers:
-                for handle in handles.values():
-                    _drop_handle(m, handle)
-
-        try:
-            for s in sets:
-                if not s:
-                    names.append("__base__")
-                elif len(s) == 1 and union.setdefault(*s[0]) == s[0][1]:
-                    names.append(s[0][0])
-                else:
-                    if s not in handles:  # "+" and "@" are in no adapter's name (lora.NAME_PATTERN)
-                        handles[s] = "+".join(n for n, _ in s) + f"@{len(handles)}"
-                        for m in layers:
-                            _add_handle(m, handles[s], s)
-                    names.append(handles[s])
-            self._apply_lora(tuple(union.items()))
-        except BaseException:
-            drop_handles()
-            raise
-        if not union:  # the handles run only while LoRA is on
-            self.pipe.enable_lora()
-            self._active_lora = ()
-
-        def name_rows(module, args, kwargs):
-            x = args[0] if args else next(iter(kwargs.values()))
-            kwargs["adapter_names"] = names * (x.shape[0] // len(names))
-            return args, kwargs
-
-        hooks = [m.register_forward_pre_hook(name_rows, with_kwargs=True) for m in layers]
-
-        def undo() -> None:
-            for h in hooks:
-                h.remove()
-            drop_handles()
-
-        return undo
+        return apply_row_adapters(find_denoiser(self.pipe), sets)
 
     def _apply_lora(self, loras: tuple[tuple[str, float], ...]) -> None:
         """Make exactly these adapters active at their scales, in name order (none, or every
@@ -925,35 +874,3 @@ class DiffusionEngine:
         self.pipe = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def _unit_scaling(layer, name: str) -> float:
-    """The scaling of `layer`'s adapter `name` at scale 1 (as PEFT's set_scale computes it)."""
-    rank = layer.r[name] ** 0.5 if layer.use_rslora.get(name, False) else layer.r[name]
-    return layer.lora_alpha[name] / rank
-
-
-def _add_handle(layer, handle: str, adapters: tuple[tuple[str, float], ...]) -> None:
-    """Give `layer` a LoRA named `handle` whose delta is the sum of `adapters`' deltas at their
-    scales: A matrices stacked along the rank, scaled B matrices side by side. Layers none of
-    them adapts get nothing (PEFT's mixed forward leaves such rows at the base output)."""
-    present = [(n, sc * _unit_scaling(layer, n)) for n, sc in adapters if n in layer.lora_A]
-    if not present:
-        return
-    first = present[0][0]
-    a, b = copy.deepcopy(layer.lora_A[first]), copy.deepcopy(layer.lora_B[first])
-    with torch.no_grad():
-        a.weight = torch.nn.Parameter(torch.cat([layer.lora_A[n].weight for n, _ in present], 0), False)
-        b.weight = torch.nn.Parameter(torch.cat([k * layer.lora_B[n].weight for n, k in present], 1), False)
-        if b.bias is not None:
-            b.bias = torch.nn.Parameter(sum(k * layer.lora_B[n].bias for n, k in present), False)
-    layer.lora_A[handle], layer.lora_B[handle] = a, b
-    layer.lora_dropout[handle] = torch.nn.Identity()
-    layer.scaling[handle] = 1.0
-
-
-def _drop_handle(layer, handle: str) -> None:
-    for table in (layer.lora_A, layer.lora_B, layer.lora_dropout):
-        if handle in table:
-            del table[handle]
-    layer.scaling.pop(handle, None)
