@@ -10,7 +10,7 @@
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 #   export PYTHONPATH=/tmp/site:$PWD
 # A CPU smoke run of the same script (checks that it runs, not the figures):
-#   MODEL_ARGS="--model builtin:tiny-sd --device cpu" SIZE=32 STEPS=2 bash benchmarks/gpu_suite.sh /tmp/suite
+#   MODEL_ARGS="--model builtin:tiny-sd --device cpu" CACHE_MODELS=builtin:tiny-sd SIZE=32 STEPS=2 bash benchmarks/gpu_suite.sh /tmp/suite
 set -uo pipefail
 out=${1:-${OUT:-benchmarks/results/gpu}}
 mkdir -p "$out"
@@ -38,6 +38,9 @@ run latency 120 bench_latency.py "${M[@]}" --size "$size" --steps "$steps" --ite
 run abort 90 bench_abort.py "${M[@]}" --size "$size" --steps 50 --trials 3 --out "$out/abort.json"
 run lora 120 bench_lora.py "${M[@]}" --size "$size" --steps "$steps" --clients 8 --per-client 3 \
     --out "$out/lora.json"
+read -r -a C <<< "${CACHE_MODELS:-builtin:sd15-arch}"
+run cache 100 bench_cache.py "${M[@]}" --models "${C[@]}" --size "$size" --steps "$steps" --batch 1 \
+    --rounds 2 --out "$out/cache.json"
 run accel 150 bench_accel.py "${M[@]}" --size "$size" --steps "$steps" --batch 8 --rounds 2 \
     --out "$out/accel.json"
 # The transformer family at its real shapes (FLUX.1: 11.9B transformer, T5-XXL; random weights,

@@ -89,7 +89,8 @@ def _progress(step: int, total: int, started: float) -> None:
 def _body(a: argparse.Namespace) -> dict[str, Any]:
     body: dict[str, Any] = {"prompt": a.prompt, "n": a.n, "stream": True, "output_format": a.format}
     for key, value in (("size", a.size), ("num_inference_steps", a.steps), ("seed", a.seed),
-                       ("guidance_scale", a.guidance), ("negative_prompt", a.negative)):  # fmt: skip
+                       ("guidance_scale", a.guidance), ("negative_prompt", a.negative),
+                       ("acceleration", a.acceleration)):  # fmt: skip
         if value is not None:
             body[key] = value
     loras = []
@@ -257,6 +258,9 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("-n", type=int, default=1)
         p.add_argument("--format", default="png", choices=["png", "jpeg", "webp"])
         p.add_argument("--lora", action="append", help="NAME or NAME:SCALE; repeat to stack adapters")
+        p.add_argument(
+            "--acceleration", choices=["none", "fast", "faster"], help="step caching (default: the server's)"
+        )
         p.add_argument("-q", "--quiet", action="store_true")
         p.add_argument(
             "--async", dest="async_job", action="store_true", help="submit as a job, print its id, return"

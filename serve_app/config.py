@@ -21,6 +21,10 @@ BUILTIN_MODELS = (
 )  # fmt: skip
 
 
+# Step caching levels, from none to the most steps served from the cache (engine/step_cache.py).
+Acceleration = Literal["none", "fast", "faster"]
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -39,6 +43,11 @@ class Optimizations(_Strict):
     )
     cpu_offload: Literal["none", "model", "sequential"] = Field(
         "none", description="Keep idle submodules on the CPU (CUDA only): fits large models in less memory."
+    )
+    step_cache: Acceleration = Field(
+        "none",
+        description="The `acceleration` of requests that name none: `fast`/`faster` serve some steps' "
+        "block outputs from a cache (diffusers' TaylorSeer hooks).",
     )
 
 

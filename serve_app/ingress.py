@@ -430,6 +430,7 @@ class DiffusionIngress:
             default_height=info.default_height,
             default_width=info.default_width,
             default_steps=info.default_steps,
+            accelerations=info.accelerations,
         )
         return ModelList(data=[card])
 
@@ -555,6 +556,7 @@ class DiffusionIngress:
             task=task,
             image=image,
             mask=mask,
+            acceleration=self.cfg.model.optimizations.step_cache,
         )
 
     def _adapters(self, request: GenerationRequest | BatchGenerationRequest) -> list[LoraRef]:

@@ -31,9 +31,14 @@ from pydantic import (
     model_validator,
 )
 
+from serve_app.config import Acceleration
 from serve_app.errors import InvalidRequest
 
 OutputFormat = Literal["png", "jpeg", "webp", "mp4", "gif"]
+# OpenAI's `quality` as a step-caching level (`auto`, `standard`: the deployment's default).
+QUALITY_ACCELERATION: dict[str, Acceleration | None] = {
+    "high": "none", "hd": "none", "medium": "fast", "low": "faster", "auto": None, "standard": None
+}  # fmt: skip
 IMAGE_FORMATS = ("png", "jpeg", "webp")
 VIDEO_FORMATS = ("mp4", "webp", "gif")  # webp: animated
 MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp", "gif": "image/gif",
@@ -246,6 +251,11 @@ class GenerationParams(_Wire):
     loras: list[LoraRef] = Field(
         default_factory=list, description="Several adapters at once, each at its scale (with `lora` too)."
     )
+    acceleration: Acceleration | None = Field(
+        None,
+        description="Step caching: `fast` and `faster` reuse the denoiser's block outputs across steps "
+        "(quicker, a little less faithful); default: the deployment's `model.optimizations.step_cache`.",
+    )
 
 
 class _ImageInputs(_Wire):
@@ -336,6 +346,7 @@ class PreparedRequest(_Wire):
     return_trajectory: bool = False
     extra: dict[str, Any] = Field(default_factory=dict)
     loras: list[LoraRef] = Field(default_factory=list)  # by name, each with its scale and path resolved
+    acceleration: Acceleration = "none"
     prompt_embeds: TensorPayload | None = None
     negative_prompt_embeds: TensorPayload | None = None
     pooled_prompt_embeds: TensorPayload | None = None
@@ -359,6 +370,7 @@ class PreparedRequest(_Wire):
         task: str = "generate",
         image: PixelPayload | None = None,
         mask: PixelPayload | None = None,
+        acceleration: str = "none",
     ) -> PreparedRequest:
         """`request` with the given values wherever it left a field to the server."""
         return cls(
@@ -386,6 +398,7 @@ class PreparedRequest(_Wire):
             return_trajectory=request.return_trajectory,
             extra=request.extra,
             loras=loras or [],
+            acceleration=request.acceleration or acceleration,
             **{name: getattr(request, name, None) for name in EMBEDS_FIELDS},
         )
 
@@ -488,8 +501,13 @@ class _ImagesCommon(GenerationParams):
     response_format: Literal["b64_json", "url"] = Field(
         "b64_json", description="'url' answers with a data: URL, since nothing is stored server-side."
     )
+    quality: Literal["auto", "high", "medium", "low", "hd", "standard"] | None = Field(
+        None,
+        description="OpenAI's quality: `high`/`hd` turn step caching off, `medium` is `acceleration: "
+        "fast`, `low` is `faster`; `auto`/`standard` leave the deployment's default. "
+        "`acceleration` wins when both are given.",
+    )
     # OpenAI fields accepted for compatibility and ignored by diffusion models
-    quality: str | None = None
     style: str | None = None
     user: str | None = None
     background: str | None = None
@@ -525,6 +543,8 @@ class _ImagesCommon(GenerationParams):
     def _params(self) -> dict[str, Any]:
         """The `GenerationParams` of this body, `size` folded into width and height."""
         params = {name: getattr(self, name) for name in GenerationParams.model_fields}
+        if self.acceleration is None and self.quality is not None:
+            params["acceleration"] = QUALITY_ACCELERATION[self.quality]
         if self.size and self.size != "auto":
             w, h = parse_size(self.size)
             if (self.width is not None and self.width != w) or (self.height is not None and self.height != h):
@@ -629,6 +649,9 @@ class ModelCard(BaseModel):
     default_width: int
     default_steps: int
     default_num_frames: int | None = None
+    accelerations: list[Acceleration] = Field(
+        default_factory=lambda: ["none"], description="The `acceleration` levels the model offers."
+    )
 
 
 class ModelList(BaseModel):
@@ -683,6 +706,7 @@ class ModelDescription(BaseModel):
     default_height: int
     default_width: int
     default_steps: int
+    accelerations: list[str] = Field(default_factory=lambda: ["none"])
     rpc_methods: list[str] = Field(default_factory=list)
 
     def embeds_shapes(self) -> dict[str, list[int]] | None:

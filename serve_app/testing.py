@@ -120,7 +120,9 @@ class FakeEngine:
     def takes(self, argument: str, task: str = "generate") -> bool:
         return False
 
-    def check_options(self, generator_device, vae_slicing: bool, vae_tiling: bool) -> None:
+    def check_options(
+        self, generator_device, vae_slicing: bool, vae_tiling: bool, acceleration="none"
+    ) -> None:
         pass
 
     def read_lora(self, path: str) -> dict:

@@ -30,6 +30,22 @@ def test_generate_with_progress_bar_writes_the_image(base_url, tmp_path):
     assert r.returncode == 0 and (tmp_path / "two-0.png").exists() and (tmp_path / "two-1.png").exists()
 
 
+def test_acceleration_from_the_command_line(base_url, tmp_path):
+    import base64
+
+    import httpx
+
+    out = tmp_path / "fast.png"
+    r = run("generate", "a fast cat", "--steps", "8", "--seed", "4", "--acceleration", "fast", "-o", str(out),
+            "-q", url=base_url)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    body = {"prompt": "a fast cat", "num_inference_steps": 8, "seed": 4}
+    fast = httpx.post(f"{base_url}/v1/images/generations", json={**body, "acceleration": "fast"}, timeout=60)
+    plain = httpx.post(f"{base_url}/v1/images/generations", json=body, timeout=60)
+    assert out.read_bytes() == base64.b64decode(fast.json()["data"][0]["b64_json"])
+    assert out.read_bytes() != base64.b64decode(plain.json()["data"][0]["b64_json"])
+
+
 def test_async_jobs_from_the_command_line(base_url, tmp_path):
     out = tmp_path / "job.png"
     r = run("generate", "a job", "--async", "--steps", "4", "--seed", "8", "-o", str(out), url=base_url)

@@ -41,7 +41,12 @@ def twins(ray_cluster, client):
         RunTarget(
             target=build_app(
                 app_args(
-                    model={"source": f"builtin:{name}", "default_guidance_scale": 4.0},
+                    model={
+                        "source": f"builtin:{name}",
+                        "default_guidance_scale": 4.0,
+                        # The video twin's requests are step-cached unless they say otherwise.
+                        **({"optimizations": {"step_cache": "fast"}} if name == "tiny-wan" else {}),
+                    },
                     lora={"registry_path": str(SESSION_DIR / f"{name}-registry.json")},
                 )
             ),
@@ -214,3 +219,25 @@ def test_true_cfg_scale_where_the_pipeline_has_it(twins, client):
     assert np.abs(a - b).mean() > 1e-4
     r = client.post(route("tiny-sdxl"), json={**body, "true_cfg_scale": 4.0})
     assert r.status_code == 400 and r.json()["error"]["param"] == "true_cfg_scale"
+
+
+def test_step_caching_follows_the_deployment_default_and_the_request(twins, client):
+    """The video twin caches steps by default (`model.optimizations.step_cache: fast`); a request
+    may turn it off. FLUX with true CFG keeps a cache per denoiser call it names (cond, uncond)."""
+
+    def latents(name, **kw):
+        body = {"prompt": "a boat", "seed": 3, "num_inference_steps": 8, "return_latents": True, **kw}
+        if name == "tiny-wan":
+            body["num_frames"] = 5
+        return TensorPayload(**post(client, route(name), **body)["latents"]).to_numpy()
+
+    default, fast, none = (
+        latents("tiny-wan"),
+        latents("tiny-wan", acceleration="fast"),
+        latents("tiny-wan", acceleration="none"),
+    )
+    assert np.array_equal(default, fast) and not np.array_equal(default, none)
+    assert client.get(f"{prefix('tiny-wan')}/v1/models").json()["data"][0]["accelerations"][-1] == "faster"
+    flux = {"negative_prompt": "blue", "true_cfg_scale": 4.0}
+    cached, full = latents("tiny-flux", acceleration="faster", **flux), latents("tiny-flux", **flux)
+    assert 0 < np.abs(cached - full).mean() < 0.1 * np.abs(full).mean()

@@ -125,6 +125,25 @@ def test_latents_and_trajectory(client):
     assert "latents" not in plain and "trajectory" not in plain
 
 
+def test_quality_and_acceleration_choose_step_caching(client):
+    """OpenAI's `quality` maps onto step caching: high is the uncached image, medium is
+    `acceleration: fast`, low is `faster`; a cached image is close to the uncached one."""
+    models = client.get("/v1/models").json()["data"][0]
+    assert models["accelerations"] == ["none", "fast", "faster"]
+    body = {"prompt": "a red circle", "seed": 5, "num_inference_steps": 10}
+
+    def image(**kw):
+        return px(decode(post_ok(client, GEN, **body, **kw)["data"][0]))
+
+    plain, high = image(), image(quality="high")
+    medium, fast = image(quality="medium"), image(acceleration="fast")
+    low = image(quality="low", acceleration="faster")  # acceleration wins: same as low alone
+    assert np.array_equal(plain, high) and np.array_equal(medium, fast)
+    assert not np.array_equal(plain, medium) and not np.array_equal(medium, low)
+    assert np.abs(plain - medium).mean() < 40, np.abs(plain - medium).mean()
+    assert np.array_equal(image(acceleration="none", quality="low"), plain)
+
+
 def test_extra_reaches_the_pipeline(client):
     a = post_ok(client, GEN, prompt="a", seed=3)
     b = post_ok(client, GEN, prompt="a", seed=3, extra={"guidance_rescale": 0.7})
@@ -170,6 +189,8 @@ BAD_INPUTS = [
     ({"prompt": "a", "extra": {"generator": 1}}, "extra", "may not set generator"),
     ({"prompt": "a", "extra": {"bogus_arg": 1}}, "extra", "takes no argument 'bogus_arg'"),
     ({"prompt": "a", "unknown_field": 1}, "unknown_field", "Extra inputs are not permitted"),
+    ({"prompt": "a", "acceleration": "turbo"}, "acceleration", "'none', 'fast' or 'faster'"),
+    ({"prompt": "a", "quality": "ultra"}, "quality", "'auto', 'high', 'medium', 'low', 'hd' or 'standard'"),
     ({"prompt": "a" * 5000}, "prompt", "the maximum is 4000"),
     ({"prompt": "a", "negative_prompt": "n" * 5000}, "negative_prompt", "the maximum is 4000"),
 ]

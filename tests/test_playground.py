@@ -57,6 +57,12 @@ def test_generate_shows_progress_and_the_image(page, base_url, client):
     body = {"prompt": "a red fox in the browser", "num_inference_steps": 6, "seed": 5}
     same = client.post("/v1/images/generations", json=body).json()
     assert src.split(",", 1)[1] == same["data"][0]["b64_json"]
+    # The speed menu asks for step caching.
+    page.select_option("#acceleration", "faster")
+    page.click("#generate")
+    page.wait_for_function(f"document.getElementById('result').src !== {src!r}", timeout=60_000)
+    fast = client.post("/v1/images/generations", json={**body, "acceleration": "faster"}).json()
+    assert page.get_attribute("#result", "src").split(",", 1)[1] == fast["data"][0]["b64_json"]
 
 
 def test_cancel_aborts_a_long_generation(page, base_url, client):

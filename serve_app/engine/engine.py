@@ -26,6 +26,7 @@ from serve_app.config import BUILTIN_PREFIX, ModelConfig
 from serve_app.engine.families import Family, describe_pipeline, image_latents
 from serve_app.engine.media import encode_image
 from serve_app.engine.row_lora import apply_row_adapters
+from serve_app.engine.step_cache import LEVELS, cached_blocks, step_cache
 
 logger = logging.getLogger(__name__)
 
@@ -130,6 +131,7 @@ class CallParams:
     generator_device: str | None = None  # where seeded noise is drawn; default the engine's device
     vae_slicing: bool = False  # for this call, whatever the model's setting
     vae_tiling: bool = False
+    acceleration: str = "none"  # step caching: one of step_cache.LEVELS
 
 
 # Called after every denoising step with (step index, total steps, latents); returning True
@@ -403,6 +405,15 @@ class DiffusionEngine:
         self._state: _CallState | None = None
         self._active_lora: tuple | None = None
         self._hook_handle = find_denoiser(self.pipe).register_forward_pre_hook(self._on_denoiser_call)
+        # Step caching needs blocks to cache, and a denoiser torch.compile has not frozen.
+        cacheable = cached_blocks(find_denoiser(self.pipe)) and not cfg.optimizations.compile_denoiser
+        self.accelerations: tuple[str, ...] = LEVELS if cacheable else ("none",)
+        if cfg.optimizations.step_cache not in self.accelerations:
+            raise ModelLoadError(
+                f"model.optimizations.step_cache: {type(find_denoiser(self.pipe)).__name__} has no blocks "
+                "to cache"
+                + (" (or is compiled: compile_denoiser)" if cfg.optimizations.compile_denoiser else "")
+            )
         self._memory = _PeakMemory(self.device)
         logger.info(
             "loaded %s on %s/%s in %.1fs (native %dx%d)",
@@ -447,6 +458,7 @@ class DiffusionEngine:
             "default_width": self.default_width,
             "default_steps": self.cfg.default_steps,
             "default_guidance_scale": self.cfg.default_guidance_scale,
+            "accelerations": list(self.accelerations),
             "load_s": round(self.load_s, 3),
             "rpc_methods": rpc_methods(self),
         }
@@ -570,9 +582,14 @@ class DiffusionEngine:
         """Whether the task's pipeline call has this argument."""
         return argument in self._call_args.get(task, {})
 
-    def check_options(self, generator_device: str | None, vae_slicing: bool, vae_tiling: bool) -> None:
+    def check_options(
+        self, generator_device: str | None, vae_slicing: bool, vae_tiling: bool, acceleration: str = "none"
+    ) -> None:
         """Refuse per-call options this engine cannot honour; the message starts with the field."""
         here = self.device.type
+        if acceleration not in self.accelerations:
+            can = ", ".join(self.accelerations)
+            raise ValueError(f"acceleration: {type(find_denoiser(self.pipe)).__name__} offers {can}")
         if generator_device not in (None, "cpu", here):
             raise ValueError(f"generator_device: this model runs on {here}; use cpu or {here}")
         vae = getattr(self.pipe, "vae", None)
@@ -809,18 +826,19 @@ class DiffusionEngine:
         self._state = st
         self._memory.start()
         try:
-            out = pipe(
-                **kwargs,
-                height=params.height,
-                width=params.width,
-                num_inference_steps=params.steps,
-                guidance_scale=params.guidance_scale,
-                generator=generators,
-                output_type="pil",
-                callback_on_step_end=on_step_end,
-                callback_on_step_end_tensor_inputs=["latents"],
-                **dict(params.extra),
-            )
+            with step_cache(find_denoiser(pipe), params.acceleration, self._denoiser_calls(params)):
+                out = pipe(
+                    **kwargs,
+                    height=params.height,
+                    width=params.width,
+                    num_inference_steps=params.steps,
+                    guidance_scale=params.guidance_scale,
+                    generator=generators,
+                    output_type="pil",
+                    callback_on_step_end=on_step_end,
+                    callback_on_step_end_tensor_inputs=["latents"],
+                    **dict(params.extra),
+                )
             made = getattr(out, fam.output_attr)
             images = [list(v) for v in made] if self.video else list(made)
         except _StopCall:
@@ -854,6 +872,13 @@ class DiffusionEngine:
             steps_run=st.steps_run,
             interrupted=st.steps_run < total,
         )
+
+    @staticmethod
+    def _denoiser_calls(params: CallParams) -> int:
+        """Denoising steps of one call: an image-to-image call runs the last `strength` of them."""
+        if params.task in ("img2img", "inpaint") and params.strength is not None:
+            return max(1, min(int(params.steps * params.strength), params.steps))
+        return params.steps
 
     @staticmethod
     def _image_inputs(rows: Sequence[Row], params: CallParams, accepts: frozenset[str]) -> dict[str, Any]:

@@ -26,7 +26,9 @@ class Engine(Protocol):
     def takes(self, argument: str, task: str = "generate") -> bool:
         """Whether the task's pipeline call has this argument."""
 
-    def check_options(self, generator_device: str | None, vae_slicing: bool, vae_tiling: bool) -> None:
+    def check_options(
+        self, generator_device: str | None, vae_slicing: bool, vae_tiling: bool, acceleration: str = "none"
+    ) -> None:
         """ValueError, starting with the field's name, for per-call options it cannot honour."""
 
     def read_lora(self, path: str) -> dict[str, Any]:

@@ -185,7 +185,7 @@ class DiffusionReplica:
             extra["true_cfg_scale"] = request.true_cfg_scale
         try:
             r = request
-            self.engine.check_options(r.generator_device, r.vae_use_slicing, r.vae_use_tiling)
+            self.engine.check_options(r.generator_device, r.vae_use_slicing, r.vae_use_tiling, r.acceleration)
         except ValueError as e:  # the message starts with the field's name
             raise InvalidRequest(str(e), param=str(e).split(":")[0], request_id=rid) from None
         embeds = _embeds(request)
@@ -219,6 +219,7 @@ class DiffusionReplica:
             generator_device=request.generator_device,
             vae_slicing=request.vae_use_slicing,
             vae_tiling=request.vae_use_tiling,
+            acceleration=request.acceleration,
         )
         # SDXL treats an absent negative prompt differently from an empty one: keep them apart.
         if request.loras:  # on the rows, not in the key: may share a call with other adapters
