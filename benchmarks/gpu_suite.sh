@@ -41,7 +41,7 @@ run lora 120 bench_lora.py "${M[@]}" --size "$size" --steps "$steps" --clients 8
 read -r -a C <<< "${CACHE_MODELS:-builtin:sd15-arch}"
 run cache 100 bench_cache.py "${M[@]}" --models "${C[@]}" --size "$size" --steps "$steps" --batch 1 \
     --rounds 2 --out "$out/cache.json"
-run accel 150 bench_accel.py "${M[@]}" --size "$size" --steps "$steps" --batch 8 --rounds 2 \
+run accel 200 bench_accel.py "${M[@]}" --size "$size" --steps "$steps" --batch 8 --rounds 2 \
     --out "$out/accel.json"
 # The transformer family at its real shapes (FLUX.1: 11.9B transformer, T5-XXL; random weights,
 # no download), 1024x1024 at 4 steps as FLUX.1 [schnell] runs: the serving overhead over the raw

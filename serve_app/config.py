@@ -44,6 +44,11 @@ class Optimizations(_Strict):
     cpu_offload: Literal["none", "model", "sequential"] = Field(
         "none", description="Keep idle submodules on the CPU (CUDA only): fits large models in less memory."
     )
+    quantize: Literal["none", "int8_weight_only", "int8_dynamic", "float8_weight_only"] = Field(
+        "none",
+        description="Quantize the denoiser's linear layers with torchao (`pip install torchao`): int8 "
+        "weights (int8_dynamic: int8 activations too), or float8 weights (CUDA, compute capability 8.9+).",
+    )
     step_cache: Acceleration = Field(
         "none",
         description="The `acceleration` of requests that name none: `fast`/`faster` serve some steps' "

@@ -320,12 +320,39 @@ def apply_optimizations(pipe, opt, device: torch.device) -> None:
             denoiser.set_attention_backend(opt.attention_backend)
         except Exception as e:
             raise ModelLoadError(f"model.optimizations.attention_backend: {e}") from None
+    if opt.quantize != "none":
+        quantize_denoiser(denoiser, opt.quantize, device)
     if opt.cpu_offload == "model":
         pipe.enable_model_cpu_offload(device=device)
     elif opt.cpu_offload == "sequential":
         pipe.enable_sequential_cpu_offload(device=device)
     if opt.compile_denoiser:
         denoiser.compile()  # in place: hooks registered on the module keep working
+
+
+# torchao's configurations for `model.optimizations.quantize`.
+_QUANTIZERS = {
+    "int8_weight_only": "Int8WeightOnlyConfig",
+    "int8_dynamic": "Int8DynamicActivationInt8WeightConfig",
+    "float8_weight_only": "Float8WeightOnlyConfig",
+}
+
+
+def quantize_denoiser(denoiser: torch.nn.Module, kind: str, device: torch.device) -> None:
+    """Quantize the denoiser's linear layers in place with torchao (weights converted once)."""
+    field = "model.optimizations.quantize"
+    if kind.startswith("float8") and (
+        device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)
+    ):
+        raise ModelLoadError(f"{field}: {kind} needs a CUDA GPU of compute capability 8.9 or newer")
+    try:
+        import torchao.quantization as tq
+    except ImportError:
+        raise ModelLoadError(f"{field}: {kind} needs torchao (pip install torchao)") from None
+    try:
+        tq.quantize_(denoiser, getattr(tq, _QUANTIZERS[kind])())
+    except Exception as e:
+        raise ModelLoadError(f"{field}: torchao could not quantize this denoiser: {e}") from None
 
 
 class _PeakMemory:
