@@ -8,6 +8,7 @@ requests share a call; the engine only runs it and says where the time went.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import json
@@ -850,22 +851,30 @@ class DiffusionEngine:
         generators = [torch.Generator(gen_device).manual_seed(r.seed) for r in rows]
         unhook = self._row_adapters(rows, params)  # undone in `finally` below, like the VAE modes
         restore = self._vae_modes(params)
+        uncache = contextlib.ExitStack()
+        try:  # outside the pipeline's `try` below: a failure here is ours, not the request's
+            uncache.enter_context(
+                step_cache(find_denoiser(pipe), params.acceleration, self._denoiser_calls(params))
+            )
+        except BaseException:
+            restore()
+            unhook()
+            raise
         self._state = st
         self._memory.start()
         try:
-            with step_cache(find_denoiser(pipe), params.acceleration, self._denoiser_calls(params)):
-                out = pipe(
-                    **kwargs,
-                    height=params.height,
-                    width=params.width,
-                    num_inference_steps=params.steps,
-                    guidance_scale=params.guidance_scale,
-                    generator=generators,
-                    output_type="pil",
-                    callback_on_step_end=on_step_end,
-                    callback_on_step_end_tensor_inputs=["latents"],
-                    **dict(params.extra),
-                )
+            out = pipe(
+                **kwargs,
+                height=params.height,
+                width=params.width,
+                num_inference_steps=params.steps,
+                guidance_scale=params.guidance_scale,
+                generator=generators,
+                output_type="pil",
+                callback_on_step_end=on_step_end,
+                callback_on_step_end_tensor_inputs=["latents"],
+                **dict(params.extra),
+            )
             made = getattr(out, fam.output_attr)
             images = [list(v) for v in made] if self.video else list(made)
         except _StopCall:
@@ -877,6 +886,7 @@ class DiffusionEngine:
             raise
         finally:
             self._state = None
+            uncache.close()
             restore()
             unhook()
         end = time.perf_counter()
