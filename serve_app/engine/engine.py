@@ -434,7 +434,8 @@ class DiffusionEngine:
         self._active_lora: tuple | None = None
         self._hook_handle = find_denoiser(self.pipe).register_forward_pre_hook(self._on_denoiser_call)
         # Step caching needs blocks to cache, and a denoiser torch.compile has not frozen.
-        cacheable = cached_blocks(find_denoiser(self.pipe)) and not cfg.optimizations.compile_denoiser
+        self._cache_blocks = cached_blocks(find_denoiser(self.pipe))
+        cacheable = self._cache_blocks and not cfg.optimizations.compile_denoiser
         self.accelerations: tuple[str, ...] = LEVELS if cacheable else ("none",)
         if cfg.optimizations.step_cache not in self.accelerations:
             raise ModelLoadError(
@@ -823,6 +824,7 @@ class DiffusionEngine:
             total = getattr(pipe, "num_timesteps", None) or total
             latents = kwargs["latents"]
             st.steps_run = i + 1
+            cache.step_done()
             if params.return_trajectory:
                 st.trajectory.append(latents.detach().float().cpu())
                 st.timesteps.append(float(t))
@@ -853,8 +855,8 @@ class DiffusionEngine:
         restore = self._vae_modes(params)
         uncache = contextlib.ExitStack()
         try:  # outside the pipeline's `try` below: a failure here is ours, not the request's
-            uncache.enter_context(
-                step_cache(find_denoiser(pipe), params.acceleration, self._denoiser_calls(params))
+            cache = uncache.enter_context(
+                step_cache(find_denoiser(pipe), pipe, params.acceleration, params.steps, self._cache_blocks)
             )
         except BaseException:
             restore()
@@ -909,13 +911,6 @@ class DiffusionEngine:
             steps_run=st.steps_run,
             interrupted=st.steps_run < total,
         )
-
-    @staticmethod
-    def _denoiser_calls(params: CallParams) -> int:
-        """Denoising steps of one call: an image-to-image call runs the last `strength` of them."""
-        if params.task in ("img2img", "inpaint") and params.strength is not None:
-            return max(1, min(int(params.steps * params.strength), params.steps))
-        return params.steps
 
     @staticmethod
     def _image_inputs(rows: Sequence[Row], params: CallParams, accepts: frozenset[str]) -> dict[str, Any]:

@@ -11,9 +11,9 @@ Levels, from the request's `acceleration` (or OpenAI's `quality`):
 * `fast`: the cached blocks run every second step.
 * `faster`: the cached blocks run every fourth step.
 
-The first `warm` steps and the last step always run in full. The cached blocks are the
-transformer blocks of a DiT (SD3, FLUX, Wan...) and of a UNet's attention layers (its ResNet
-blocks and convolutions always run).
+The first steps (two, or a tenth of a schedule of 30 steps or more) and the last step always
+run in full. The cached blocks are the transformer blocks of a DiT (SD3, FLUX, Wan...) and of a
+UNet's attention layers (its ResNet blocks and convolutions always run).
 """
 
 from __future__ import annotations
@@ -58,36 +58,77 @@ def cached_blocks(denoiser: torch.nn.Module) -> list[str]:
 
 
 def _warm(steps: int) -> int:
-    # Two full runs at least before the first extrapolated step (a first-order step needs two).
-    return max(3, steps // 10 + 1)
+    # The hooks count steps from 0 and run steps 0..warm-1 in full: two at least, since a
+    # first-order extrapolation needs two full runs (a tenth of the steps on long schedules).
+    return max(2, steps // 10)
+
+
+class StepCache:
+    """One pipeline call's cache. Its hooks keep one state per denoiser call of a step (call 0,
+    call 1...), so that a pipeline calling the denoiser twice a step (a negative prompt run
+    apart, a second-order scheduler) never extrapolates one call from the other's outputs.
+    The engine calls `step_done` at the end of every denoising step."""
+
+    def __init__(self, denoiser: torch.nn.Module, pipe, hooks: list):
+        self._denoiser, self._pipe, self._hooks = denoiser, pipe, hooks
+        self._call = 0
+        self._sized = False
+        self._handle = denoiser.register_forward_pre_hook(self._before_call)
+
+    def _before_call(self, module, args) -> None:
+        if not self._sized:  # the pipeline knows its step count now (img2img runs fewer)
+            steps = getattr(self._pipe, "num_timesteps", None)
+            if steps:
+                for hook in self._hooks:
+                    hook.disable_cache_after_step = int(steps) - 1  # the last step runs in full
+            self._sized = True
+        _set_cache_context(self._denoiser, CacheContext(f"call{self._call}"))
+        self._call += 1
+
+    def step_done(self) -> None:
+        self._call = 0
+
+    def close(self) -> None:
+        self._handle.remove()
+
+
+class _NoCache:
+    def step_done(self) -> None:
+        pass
 
 
 @contextlib.contextmanager
-def step_cache(denoiser: torch.nn.Module, level: str, steps: int) -> Iterator[None]:
-    """Cache `denoiser`'s blocks at `level` for one pipeline call of `steps` denoiser calls."""
+def step_cache(
+    denoiser: torch.nn.Module, pipe, level: str, steps: int, blocks: list[str] | None = None
+) -> Iterator[StepCache | _NoCache]:
+    """Cache `denoiser`'s blocks (default: `cached_blocks(denoiser)`) at `level` for one call
+    of `pipe` of `steps` steps; everything is removed on the way out, whatever happened."""
     if level == "none":
-        yield
+        yield _NoCache()
         return
     if level not in _INTERVAL:
         raise ValueError(f"unknown acceleration level {level!r}; allowed: {', '.join(LEVELS)}")
+    names = blocks if blocks is not None else cached_blocks(denoiser)
     config = TaylorSeerCacheConfig(
         cache_interval=_INTERVAL[level],
         disable_cache_before_step=_warm(steps),
-        disable_cache_after_step=steps,  # the last call runs in full
+        disable_cache_after_step=steps - 1,  # corrected from the pipeline's count at its first call
         max_order=1,
         taylor_factors_dtype=torch.float32,
-        cache_identifiers=[re.escape(n) for n in cached_blocks(denoiser)],
+        cache_identifiers=["|".join(re.escape(n) for n in names)],  # one match per module name
     )
-    apply_taylorseer_cache(denoiser, config)
     registry = HookRegistry.check_if_exists_or_initialize(denoiser)
-    registry.invalidate_child_registries_cache()
-    # Pipelines that name their denoiser calls (FLUX, Wan: "cond", "uncond") set the context
-    # themselves for each call; for the others every call of this pipeline call is one context.
-    _set_cache_context(denoiser, CacheContext("cond"))
+    cache = None
     try:
-        yield
+        apply_taylorseer_cache(denoiser, config)
+        registry.invalidate_child_registries_cache()
+        hooks = [denoiser.get_submodule(n)._diffusers_hook.get_hook(_TAYLORSEER_CACHE_HOOK) for n in names]
+        cache = StepCache(denoiser, pipe, hooks)
+        yield cache
     finally:
+        if cache is not None:
+            cache.close()
         _set_cache_context(denoiser, None)
         registry.reset_stateful_hooks(recurse=True)
-        registry.remove_hook(_TAYLORSEER_CACHE_HOOK, recurse=True)
+        registry.remove_hook(_TAYLORSEER_CACHE_HOOK, recurse=True)  # also a half-done install's
         registry.invalidate_child_registries_cache()
