@@ -217,6 +217,12 @@ def main() -> None:
     ap.add_argument("--batch-gap-ms", type=float, default=10.0)
     ap.add_argument("--max-batch", type=int, default=16, help="batching.max_batch_images")
     ap.add_argument("--path", choices=["http", "handle"], default="http")
+    ap.add_argument(
+        "--direct-ingress",
+        action="store_true",
+        help="Ray Serve's RAY_SERVE_ENABLE_DIRECT_INGRESS: the ingress replica serves HTTP itself "
+        "(no proxy), on the first port of RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="alternating (raw bs8, 8 clients) pairs")
     ap.add_argument("--out", default="benchmarks/results/throughput")
     a = ap.parse_args()
@@ -240,9 +246,13 @@ def main() -> None:
         },
         "ingress": {"num_cpus": 0},
     }
+    if a.direct_ingress:  # read by Ray's processes, so set before they start
+        os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
     handle = start_app(args, a.device, port) if a.path == "handle" else None
     if handle is None:
         start_app(args, a.device, port)
+    if a.direct_ingress:
+        port = int(os.environ.get("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "30000"))
     url = f"http://127.0.0.1:{port}"
 
     def served_level(size: int, clients: int, per: int) -> dict:
@@ -257,6 +267,7 @@ def main() -> None:
         "device": a.device,
         "steps": a.steps,
         "path": a.path,
+        "direct_ingress": a.direct_ingress,
         "batching": args["batching"],
         "clients": a.clients,
         "sizes": [],
