@@ -432,14 +432,15 @@ class DiffusionEngine:
         self.default_num_frames = (cfg.default_num_frames or self.family.default_frames) if video else None
         self._state: _CallState | None = None
         self._active_lora: tuple | None = None
-        self._hook_handle = find_denoiser(self.pipe).register_forward_pre_hook(self._on_denoiser_call)
+        denoiser = find_denoiser(self.pipe)
+        self._hook_handle = denoiser.register_forward_pre_hook(self._on_denoiser_call)
         # Step caching needs blocks to cache, and a denoiser torch.compile has not frozen.
-        self._cache_blocks = cached_blocks(find_denoiser(self.pipe))
+        self._cache_blocks = cached_blocks(denoiser)
         cacheable = self._cache_blocks and not cfg.optimizations.compile_denoiser
         self.accelerations: tuple[str, ...] = LEVELS if cacheable else ("none",)
         if cfg.optimizations.step_cache not in self.accelerations:
             raise ModelLoadError(
-                f"model.optimizations.step_cache: {type(find_denoiser(self.pipe)).__name__} has no blocks "
+                f"model.optimizations.step_cache: {type(denoiser).__name__} has no blocks "
                 "to cache"
                 + (" (or is compiled: compile_denoiser)" if cfg.optimizations.compile_denoiser else "")
             )
@@ -851,46 +852,40 @@ class DiffusionEngine:
             kwargs["num_frames"] = params.num_frames or self.default_num_frames
         gen_device = params.generator_device or self.device
         generators = [torch.Generator(gen_device).manual_seed(r.seed) for r in rows]
-        unhook = self._row_adapters(rows, params)  # undone in `finally` below, like the VAE modes
-        restore = self._vae_modes(params)
-        uncache = contextlib.ExitStack()
-        try:  # outside the pipeline's `try` below: a failure here is ours, not the request's
-            cache = uncache.enter_context(
+        with contextlib.ExitStack() as undo:  # the call's set-up, undone whatever happens
+            undo.callback(self._row_adapters(rows, params))
+            undo.callback(self._vae_modes(params))
+            cache = undo.enter_context(
                 step_cache(find_denoiser(pipe), pipe, params.acceleration, params.steps, self._cache_blocks)
             )
-        except BaseException:
-            restore()
-            unhook()
-            raise
-        self._state = st
-        self._memory.start()
-        try:
-            out = pipe(
-                **kwargs,
-                height=params.height,
-                width=params.width,
-                num_inference_steps=params.steps,
-                guidance_scale=params.guidance_scale,
-                generator=generators,
-                output_type="pil",
-                callback_on_step_end=on_step_end,
-                callback_on_step_end_tensor_inputs=["latents"],
-                **dict(params.extra),
-            )
-            made = getattr(out, fam.output_attr)
-            images = [list(v) for v in made] if self.video else list(made)
-        except _StopCall:
-            images = []
-        except _ARGUMENT_ERRORS as e:
-            # Checks of the inputs run before the first denoising step and raise ValueError.
-            if (st.denoise_start is None and isinstance(e, ValueError)) or params.extra:
-                raise InvalidArguments(f"the pipeline refused the arguments: {type(e).__name__}: {e}") from e
-            raise
-        finally:
-            self._state = None
-            uncache.close()
-            restore()
-            unhook()
+            self._state = st
+            self._memory.start()
+            try:
+                out = pipe(
+                    **kwargs,
+                    height=params.height,
+                    width=params.width,
+                    num_inference_steps=params.steps,
+                    guidance_scale=params.guidance_scale,
+                    generator=generators,
+                    output_type="pil",
+                    callback_on_step_end=on_step_end,
+                    callback_on_step_end_tensor_inputs=["latents"],
+                    **dict(params.extra),
+                )
+                made = getattr(out, fam.output_attr)
+                images = [list(v) for v in made] if self.video else list(made)
+            except _StopCall:
+                images = []
+            except _ARGUMENT_ERRORS as e:
+                # Checks of the inputs run before the first denoising step and raise ValueError.
+                if (st.denoise_start is None and isinstance(e, ValueError)) or params.extra:
+                    raise InvalidArguments(
+                        f"the pipeline refused the arguments: {type(e).__name__}: {e}"
+                    ) from e
+                raise
+            finally:
+                self._state = None
         end = time.perf_counter()
         start = st.denoise_start or st.t0
         denoise_end = st.denoise_end or end

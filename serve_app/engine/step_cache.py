@@ -25,7 +25,7 @@ from collections.abc import Iterator
 
 import torch
 from diffusers.hooks import HookRegistry, TaylorSeerCacheConfig, apply_taylorseer_cache
-from diffusers.hooks.hooks import CacheContext, _set_cache_context
+from diffusers.hooks.hooks import CacheContext
 from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK
 
 from serve_app.config import Acceleration
@@ -70,7 +70,7 @@ class StepCache:
     The engine calls `step_done` at the end of every denoising step."""
 
     def __init__(self, denoiser: torch.nn.Module, pipe, hooks: list):
-        self._denoiser, self._pipe, self._hooks = denoiser, pipe, hooks
+        self._pipe, self._hooks = pipe, hooks
         self._call = 0
         self._sized = False
         self._handle = denoiser.register_forward_pre_hook(self._before_call)
@@ -82,7 +82,9 @@ class StepCache:
                 for hook in self._hooks:
                     hook.disable_cache_after_step = int(steps) - 1  # the last step runs in full
             self._sized = True
-        _set_cache_context(self._denoiser, CacheContext(f"call{self._call}"))
+        context = CacheContext(f"call{self._call}")
+        for hook in self._hooks:  # over the context a pipeline may have set for this call
+            hook.state_manager.set_context(context)
         self._call += 1
 
     def step_done(self) -> None:
@@ -90,6 +92,8 @@ class StepCache:
 
     def close(self) -> None:
         self._handle.remove()
+        for hook in self._hooks:
+            hook.state_manager.set_context(None)
 
 
 class _NoCache:
@@ -99,36 +103,34 @@ class _NoCache:
 
 @contextlib.contextmanager
 def step_cache(
-    denoiser: torch.nn.Module, pipe, level: str, steps: int, blocks: list[str] | None = None
+    denoiser: torch.nn.Module, pipe, level: str, steps: int, blocks: list[str]
 ) -> Iterator[StepCache | _NoCache]:
-    """Cache `denoiser`'s blocks (default: `cached_blocks(denoiser)`) at `level` for one call
-    of `pipe` of `steps` steps; everything is removed on the way out, whatever happened."""
+    """Cache `blocks` of `denoiser` (from `cached_blocks`) at `level` for one call of `pipe` of
+    `steps` steps; everything is removed on the way out, whatever happened."""
     if level == "none":
         yield _NoCache()
         return
     if level not in _INTERVAL:
         raise ValueError(f"unknown acceleration level {level!r}; allowed: {', '.join(LEVELS)}")
-    names = blocks if blocks is not None else cached_blocks(denoiser)
     config = TaylorSeerCacheConfig(
         cache_interval=_INTERVAL[level],
         disable_cache_before_step=_warm(steps),
         disable_cache_after_step=steps - 1,  # corrected from the pipeline's count at its first call
         max_order=1,
         taylor_factors_dtype=torch.float32,
-        cache_identifiers=["|".join(re.escape(n) for n in names)],  # one match per module name
+        cache_identifiers=["|".join(re.escape(n) for n in blocks)],  # one match per module name
     )
     registry = HookRegistry.check_if_exists_or_initialize(denoiser)
     cache = None
     try:
         apply_taylorseer_cache(denoiser, config)
         registry.invalidate_child_registries_cache()
-        hooks = [denoiser.get_submodule(n)._diffusers_hook.get_hook(_TAYLORSEER_CACHE_HOOK) for n in names]
+        hooks = [denoiser.get_submodule(n)._diffusers_hook.get_hook(_TAYLORSEER_CACHE_HOOK) for n in blocks]
         cache = StepCache(denoiser, pipe, hooks)
         yield cache
     finally:
         if cache is not None:
             cache.close()
-        _set_cache_context(denoiser, None)
         registry.reset_stateful_hooks(recurse=True)
         registry.remove_hook(_TAYLORSEER_CACHE_HOOK, recurse=True)  # also a half-done install's
         registry.invalidate_child_registries_cache()
