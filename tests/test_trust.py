@@ -46,6 +46,10 @@ HOSTILE = [
     ({"json": {"prompt": "a", "extra": {"output_type": "latent"}}}, 400),
     ({"json": {"prompt": "a", "width": 12}}, 400),
     ({"json": {"prompt": "a", "n": 10_000}}, 400),
+    ({"json": {"prompt": "a", "acceleration": ["fast"]}}, 400),
+    ({"json": {"prompt": "a", "quality": 3}}, 400),
+    # refused by the pipeline with the step cache installed: the cache must come off again
+    ({"json": {"prompt": "a", "acceleration": "faster", "extra": {"sigmas": [1.0, 0.5]}}}, 400),
     ({"json": {"prompt": f"x {FAIL_MARKER}"}}, 500),  # the engine fails on it: counted, self-tested
     ({"json": {"prompt": f"x {OOM_MARKER}"}}, 503),
     ({"content": b"{not json", "headers": JSON}, 400),
