@@ -32,17 +32,19 @@ run() {  # run NAME LIMIT_S SCRIPT ARGS...: its output to NAME.log, its tail her
     grep -v -E 'INFO|WARNING|Warning|raylet|transformers|_dynamo|If it is' "$out/$name.log" | tail -n 18
 }
 
-run throughput 200 bench_throughput.py "${M[@]}" --sizes "$size" --steps "$steps" --clients 1 8 16 \
+run throughput 180 bench_throughput.py "${M[@]}" --sizes "$size" --steps "$steps" --clients 1 8 16 \
     --rounds 2 --requests-per-client 3 --raw-seconds 8 --max-batch 16 --out "$out/throughput"
-run latency 120 bench_latency.py "${M[@]}" --size "$size" --steps "$steps" --iters 8 --out "$out/latency.json"
-run abort 90 bench_abort.py "${M[@]}" --size "$size" --steps 50 --trials 3 --out "$out/abort.json"
-run lora 120 bench_lora.py "${M[@]}" --size "$size" --steps "$steps" --clients 8 --per-client 3 \
+run latency 90 bench_latency.py "${M[@]}" --size "$size" --steps "$steps" --iters 8 --out "$out/latency.json"
+run abort 60 bench_abort.py "${M[@]}" --size "$size" --steps 50 --trials 3 --out "$out/abort.json"
+run lora 90 bench_lora.py "${M[@]}" --size "$size" --steps "$steps" --clients 8 --per-client 3 \
     --out "$out/lora.json"
 read -r -a C <<< "${CACHE_MODELS:-builtin:sd15-arch}"
-run cache 100 bench_cache.py "${M[@]}" --models "${C[@]}" --size "$size" --steps "$steps" --batch 1 \
+run cache 90 bench_cache.py "${M[@]}" --models "${C[@]}" --size "$size" --steps "$steps" --batch 1 \
     --rounds 2 --out "$out/cache.json"
-run accel 200 bench_accel.py "${M[@]}" --size "$size" --steps "$steps" --batch 8 --rounds 2 \
+run accel 150 bench_accel.py "${M[@]}" --size "$size" --steps "$steps" --batch 8 --rounds 2 \
     --out "$out/accel.json"
+run joining 120 bench_joining.py "${M[@]}" --size "$size" --steps "$steps" --requests 24 \
+    --out "$out/joining.json"
 # The transformer family at its real shapes (FLUX.1: 11.9B transformer, T5-XXL; random weights,
 # no download), 1024x1024 at 4 steps as FLUX.1 [schnell] runs: the serving overhead over the raw
 # pipeline where one call takes seconds. Opt in (it adds up to 200 s, past the 15-minute lease

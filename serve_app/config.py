@@ -239,6 +239,16 @@ class BatchingConfig(_Strict):
             "this, a burst is gathered whole. 0: always wait the full batch_wait_ms."
         ),
     )
+    step_joining: bool = Field(
+        False,
+        description=(
+            "Requests that arrive while a call runs join it at its next denoising step instead of "
+            "waiting for it to end: every request runs its own pipeline call, and the calls share "
+            "the denoiser at every step, rows at different steps included. Requests with a step "
+            "cache (acceleration), on a compiled or CPU-offloaded denoiser, or larger than "
+            "max_batch_images run in whole calls as before."
+        ),
+    )
 
 
 class IngressConfig(_Strict):

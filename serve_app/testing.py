@@ -125,6 +125,12 @@ class FakeEngine:
     ) -> None:
         pass
 
+    def can_join(self, params) -> bool:
+        return False  # whole calls only: joining is proven on the real engine
+
+    def open_joined(self, params, adapters=()):
+        raise NotImplementedError("FakeEngine runs whole calls only")
+
     def read_lora(self, path: str) -> dict:
         """A stand-in state whose size is the file's (so residency by bytes can be tested)."""
         if self.read_delay_s:

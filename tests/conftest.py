@@ -92,6 +92,29 @@ def deployed(name: str, **overrides: dict):
         serve.delete(name, _blocking=False)  # its replicas stop while the next test runs
 
 
+@contextlib.contextmanager
+def engine_cache(**model: object):
+    """Embedded engines on the CPU by builtin name (`get("tiny-flux")`), each built on first use
+    with `model` settings and closed on the way out."""
+    from serve_app.config import ModelConfig
+    from serve_app.engine import DiffusionEngine
+
+    made: dict = {}
+
+    def get(name: str) -> DiffusionEngine:
+        if name not in made:
+            made[name] = DiffusionEngine(
+                ModelConfig(source=f"builtin:{name}", device="cpu", warmup=False, **model)
+            )
+        return made[name]
+
+    try:
+        yield get
+    finally:
+        for e in made.values():
+            e.close()
+
+
 def wait_for(pred, timeout: float = 60.0, interval: float = 0.05):
     """Poll `pred` until it returns something truthy; return that, or fail after `timeout` s."""
     end = time.monotonic() + timeout

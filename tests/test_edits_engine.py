@@ -8,8 +8,8 @@ import pytest
 import torch
 from PIL import Image
 
-from serve_app.config import ModelConfig
 from serve_app.engine import CallParams, DiffusionEngine, Row
+from tests.conftest import engine_cache
 
 TASKS = {
     "tiny-sd": ["generate", "img2img", "inpaint"],
@@ -23,18 +23,8 @@ TASKS = {
 
 @pytest.fixture(scope="module")
 def engines():
-    cache: dict[str, DiffusionEngine] = {}
-
-    def get(name: str) -> DiffusionEngine:
-        if name not in cache:
-            cache[name] = DiffusionEngine(
-                ModelConfig(source=f"builtin:{name}", device="cpu", warmup=False, default_steps=3)
-            )
-        return cache[name]
-
-    yield get
-    for e in cache.values():
-        e.close()
+    with engine_cache(default_steps=3) as get:
+        yield get
 
 
 def picture(size: int = 64, seed: int = 0) -> Image.Image:

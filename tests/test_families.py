@@ -17,11 +17,11 @@ import pytest
 import torch
 from PIL import Image
 
-from serve_app.config import ModelConfig
 from serve_app.engine import CallParams, DiffusionEngine, Row
 from serve_app.engine.engine import find_denoiser, latents_preview
 from serve_app.engine.media import encode_output
 from serve_app.lora import make_adapter
+from tests.conftest import engine_cache
 
 TWINS = ["tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-wan"]
 
@@ -36,17 +36,8 @@ EXPECTED = {
 
 @pytest.fixture(scope="module")
 def engines():
-    cache: dict[str, DiffusionEngine] = {}
-
-    def get(name: str) -> DiffusionEngine:
-        if name not in cache:
-            cfg = ModelConfig(source=f"builtin:{name}", device="cpu", warmup=False, default_steps=3)
-            cache[name] = DiffusionEngine(cfg)
-        return cache[name]
-
-    yield get
-    for e in cache.values():
-        e.close()
+    with engine_cache(default_steps=3) as get:
+        yield get
 
 
 def params(e: DiffusionEngine, **kw) -> CallParams:

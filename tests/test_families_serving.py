@@ -23,6 +23,7 @@ from serve_app.schemas import GenerationRequest, TensorPayload
 from tests.conftest import ADAPTER_DIR, SESSION_DIR, app_args, wait_for
 
 TWINS = ["tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-wan"]
+JOINED = ("tiny-sdxl", "tiny-flux")
 FAMILY = {"tiny-sdxl": "sdxl", "tiny-sd3": "sd3", "tiny-flux": "flux", "tiny-wan": "wan"}
 
 
@@ -48,6 +49,8 @@ def twins(ray_cluster, client):
                         **({"optimizations": {"step_cache": "fast"}} if name == "tiny-wan" else {}),
                     },
                     lora={"registry_path": str(SESSION_DIR / f"{name}-registry.json")},
+                    # A UNet twin and a transformer twin serve every test here joined at steps.
+                    batching={"step_joining": name in JOINED},
                 )
             ),
             name=prefix(name)[1:],
@@ -137,6 +140,23 @@ def test_abort_mid_run(twins, client, name):
         r = fut.result(60)
     assert r.status_code == 499 and r.json()["error"]["type"] == "aborted"
     assert client.get(f"{prefix(name)}/v1/requests/{rid}").json()["step"] < 50
+
+
+@pytest.mark.parametrize("name", JOINED)
+def test_a_request_arriving_mid_call_joins_it_over_http(twins, client, name):
+    first, late = f"join-a-{name}", f"join-b-{name}"
+    body = {"prompt": "a red circle", "seed": 3, "num_inference_steps": 12}
+    with cf.ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(client.post, route(name), json={**body, "prompt": "first", "request_id": first})
+        wait_for(lambda: client.get(f"{prefix(name)}/v1/requests/{first}").json().get("step", 0) >= 2, 60)
+        joined = post(client, route(name), **body, request_id=late)
+        r = fut.result(60)
+    assert r.status_code == 200 and r.json()["metrics"]["steps"] == 12
+    assert joined["metrics"]["batch_requests"] == 2 and joined["metrics"]["steps"] == 12
+    alone = post(client, route(name), **body)
+    assert alone["metrics"]["batch_requests"] == 1
+    diff = np.abs(decode(name, joined["data"][0]["b64_json"]) - decode(name, alone["data"][0]["b64_json"]))
+    assert diff.max() <= 2 and diff.mean() < 0.05
 
 
 @pytest.mark.parametrize("name", TWINS)

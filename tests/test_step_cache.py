@@ -17,22 +17,15 @@ from serve_app.config import ModelConfig
 from serve_app.engine import CallParams, DiffusionEngine, Row
 from serve_app.engine.engine import ModelLoadError, find_denoiser
 from serve_app.engine.step_cache import LEVELS, cached_blocks
+from tests.conftest import engine_cache
 
 STEPS = 10
 
 
 @pytest.fixture(scope="module")
 def engines():
-    cache: dict[str, DiffusionEngine] = {}
-
-    def get(name: str) -> DiffusionEngine:
-        if name not in cache:
-            cache[name] = DiffusionEngine(ModelConfig(source=f"builtin:{name}", device="cpu", warmup=False))
-        return cache[name]
-
-    yield get
-    for e in cache.values():
-        e.close()
+    with engine_cache() as get:
+        yield get
 
 
 def psnr(a, b) -> float:

@@ -9,6 +9,7 @@ requests share a call; the engine only runs it and says where the time went.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib
 import inspect
 import json
@@ -25,9 +26,10 @@ import torch
 
 from serve_app.config import BUILTIN_PREFIX, ModelConfig
 from serve_app.engine.families import Family, describe_pipeline, image_latents
+from serve_app.engine.joining import Seat, StepBatch
 from serve_app.engine.media import encode_image
 from serve_app.engine.row_lora import apply_row_adapters
-from serve_app.engine.step_cache import LEVELS, cached_blocks, step_cache
+from serve_app.engine.step_cache import LEVELS, NoCache, cached_blocks, step_cache
 
 logger = logging.getLogger(__name__)
 
@@ -292,13 +294,17 @@ def scheduler_class(name: str):
     return cls
 
 
+def denoiser_name(pipe) -> str:
+    """The pipeline's name for the module its denoising loop calls every step."""
+    for name in ("unet", "transformer", "prior"):
+        if isinstance(getattr(pipe, name, None), torch.nn.Module):
+            return name
+    raise ModelLoadError(f"{type(pipe).__name__} has no unet or transformer")
+
+
 def find_denoiser(pipe) -> torch.nn.Module:
     """The module the denoising loop calls every step: a UNet or a transformer."""
-    for name in ("unet", "transformer", "prior"):
-        mod = getattr(pipe, name, None)
-        if isinstance(mod, torch.nn.Module):
-            return mod
-    raise ModelLoadError(f"{type(pipe).__name__} has no unet or transformer")
+    return getattr(pipe, denoiser_name(pipe))
 
 
 def apply_optimizations(pipe, opt, device: torch.device) -> None:
@@ -392,6 +398,36 @@ def _proc_status_kb(key: str) -> int:
     return 0
 
 
+class JoinedRun:
+    """Calls that share one `CallParams` run joined (`joining.StepBatch`): a row is added
+    between two steps and is its own pipeline call, with its own step hook; `step` runs one
+    denoising step of every row and returns the rows that ended. On the engine thread only."""
+
+    def __init__(self, engine: DiffusionEngine, params: CallParams, restore: Callable[[], None]):
+        self._engine = engine
+        self.params = params
+        self._restore = restore
+        self.batch = StepBatch(find_denoiser(engine._task_pipes[params.task]), _StopCall)
+
+    @property
+    def active(self) -> int:
+        return self.batch.active
+
+    def add(self, row: Row, step_hook: StepHook | None = None) -> Seat:
+        """Start `row`; its `Seat` holds its `EngineOutput` (or error) once it has ended."""
+        return self.batch.add(lambda stand_in: self._engine._row_call(row, self.params, step_hook, stand_in))
+
+    def step(self) -> list[Seat]:
+        return self.batch.step()
+
+    def close(self) -> None:
+        """Stop the rows still running (they end interrupted) and undo the run's set-up."""
+        try:
+            self.batch.close()
+        finally:
+            self._restore()
+
+
 def engine_class(extension: str | None) -> type[DiffusionEngine]:
     """`DiffusionEngine`, or a subclass with the `module:Class` mixin in front of it."""
     if not extension:
@@ -433,6 +469,7 @@ class DiffusionEngine:
         self._state: _CallState | None = None
         self._active_lora: tuple | None = None
         denoiser = find_denoiser(self.pipe)
+        self._denoiser_attr = denoiser_name(self.pipe)
         self._hook_handle = denoiser.register_forward_pre_hook(self._on_denoiser_call)
         # Step caching needs blocks to cache, and a denoiser torch.compile has not frozen.
         self._cache_blocks = cached_blocks(denoiser)
@@ -817,6 +854,53 @@ class DiffusionEngine:
         if not rows:
             raise ValueError("run() needs at least one row")
         st = _CallState(t0=time.perf_counter())
+        pipe = self._task_pipes[params.task]
+        with contextlib.ExitStack() as undo:  # the call's set-up, undone whatever happens
+            undo.callback(self._row_adapters(rows, params))
+            undo.callback(self._vae_modes(params))
+            cache = undo.enter_context(
+                step_cache(find_denoiser(pipe), pipe, params.acceleration, params.steps, self._cache_blocks)
+            )
+            self._state = st
+            self._memory.start()
+            try:
+                return self._call(rows, params, step_hook, pipe, cache, st)
+            finally:
+                self._state = None
+
+    def can_join(self, params: CallParams) -> bool:
+        """Whether calls with `params` can run joined (`open_joined`): not with a step cache
+        (its state follows one call's steps), a compiled denoiser (every new batch size would
+        compile again) or CPU offload (its hooks move the whole denoiser per call)."""
+        opt = self.cfg.optimizations
+        return params.acceleration == "none" and not opt.compile_denoiser and opt.cpu_offload == "none"
+
+    def open_joined(self, params: CallParams, adapters: tuple[tuple[str, float], ...] = ()) -> JoinedRun:
+        """Start a joined run of calls with `params` whose rows all have `adapters` (or none);
+        rows are added and stepped by the returned `JoinedRun` (see `joining`)."""
+        self._apply_lora(adapters or params.loras)
+        restore = self._vae_modes(params)
+        self._memory.start()
+        return JoinedRun(self, params, restore)
+
+    def _row_call(self, row: Row, params: CallParams, step_hook: StepHook | None, stand_in) -> EngineOutput:
+        """One row's own pipeline call in a joined run, with `stand_in` as its denoiser and a
+        scheduler of its own (the pipeline keeps a call's state on itself: a shallow copy each)."""
+        st = _CallState(t0=time.perf_counter())
+
+        def started() -> None:
+            if st.denoise_start is None:
+                st.denoise_start = time.perf_counter()
+
+        stand_in.on_call = started
+        pipe = copy.copy(self._task_pipes[params.task])
+        pipe.__dict__[self._denoiser_attr] = stand_in
+        pipe.__dict__["scheduler"] = copy.deepcopy(pipe.scheduler)
+        return self._call([row], params, step_hook, pipe, NoCache(), st)
+
+    def _call(
+        self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None, pipe, cache, st: _CallState
+    ) -> EngineOutput:
         total = params.steps
 
         def on_step_end(pipe, i, t, kwargs):
@@ -840,7 +924,7 @@ class DiffusionEngine:
             return {}
 
         fam = self.family
-        pipe, accepts = self._task_pipes[params.task], self._accepts[params.task]
+        accepts = self._accepts[params.task]
         kwargs = self._text_inputs(rows)
         if params.task != "generate":
             kwargs.update(self._image_inputs(rows, params, accepts))
@@ -852,40 +936,28 @@ class DiffusionEngine:
             kwargs["num_frames"] = params.num_frames or self.default_num_frames
         gen_device = params.generator_device or self.device
         generators = [torch.Generator(gen_device).manual_seed(r.seed) for r in rows]
-        with contextlib.ExitStack() as undo:  # the call's set-up, undone whatever happens
-            undo.callback(self._row_adapters(rows, params))
-            undo.callback(self._vae_modes(params))
-            cache = undo.enter_context(
-                step_cache(find_denoiser(pipe), pipe, params.acceleration, params.steps, self._cache_blocks)
+        try:
+            out = pipe(
+                **kwargs,
+                height=params.height,
+                width=params.width,
+                num_inference_steps=params.steps,
+                guidance_scale=params.guidance_scale,
+                generator=generators,
+                output_type="pil",
+                callback_on_step_end=on_step_end,
+                callback_on_step_end_tensor_inputs=["latents"],
+                **dict(params.extra),
             )
-            self._state = st
-            self._memory.start()
-            try:
-                out = pipe(
-                    **kwargs,
-                    height=params.height,
-                    width=params.width,
-                    num_inference_steps=params.steps,
-                    guidance_scale=params.guidance_scale,
-                    generator=generators,
-                    output_type="pil",
-                    callback_on_step_end=on_step_end,
-                    callback_on_step_end_tensor_inputs=["latents"],
-                    **dict(params.extra),
-                )
-                made = getattr(out, fam.output_attr)
-                images = [list(v) for v in made] if self.video else list(made)
-            except _StopCall:
-                images = []
-            except _ARGUMENT_ERRORS as e:
-                # Checks of the inputs run before the first denoising step and raise ValueError.
-                if (st.denoise_start is None and isinstance(e, ValueError)) or params.extra:
-                    raise InvalidArguments(
-                        f"the pipeline refused the arguments: {type(e).__name__}: {e}"
-                    ) from e
-                raise
-            finally:
-                self._state = None
+            made = getattr(out, fam.output_attr)
+            images = [list(v) for v in made] if self.video else list(made)
+        except _StopCall:
+            images = []
+        except _ARGUMENT_ERRORS as e:
+            # Checks of the inputs run before the first denoising step and raise ValueError.
+            if (st.denoise_start is None and isinstance(e, ValueError)) or params.extra:
+                raise InvalidArguments(f"the pipeline refused the arguments: {type(e).__name__}: {e}") from e
+            raise
         end = time.perf_counter()
         start = st.denoise_start or st.t0
         denoise_end = st.denoise_end or end

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from serve_app.engine.engine import CallParams, EngineOutput, Row, StepHook
+from serve_app.engine.engine import CallParams, EngineOutput, JoinedRun, Row, StepHook
 
 
 class Engine(Protocol):
@@ -16,6 +16,13 @@ class Engine(Protocol):
 
     def run(self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None = None) -> EngineOutput:
         """One pipeline call over `rows` that share `params`; raises what the pipeline raises."""
+
+    def can_join(self, params: CallParams) -> bool:
+        """Whether calls with `params` can run joined (`open_joined`); else they run whole."""
+
+    def open_joined(self, params: CallParams, adapters: tuple[tuple[str, float], ...] = ()) -> JoinedRun:
+        """Start a joined call: rows added between denoising steps, each its own pipeline call
+        (`JoinedRun.add`), all sharing the denoiser at every step (`JoinedRun.step`)."""
 
     def check_extra(self, extra: dict[str, Any], task: str = "generate") -> dict[str, Any]:
         """`extra` as the pipeline will take it, or ValueError naming the argument."""

@@ -96,7 +96,7 @@ class StepCache:
             hook.state_manager.set_context(None)
 
 
-class _NoCache:
+class NoCache:
     def step_done(self) -> None:
         pass
 
@@ -104,11 +104,11 @@ class _NoCache:
 @contextlib.contextmanager
 def step_cache(
     denoiser: torch.nn.Module, pipe, level: str, steps: int, blocks: list[str]
-) -> Iterator[StepCache | _NoCache]:
+) -> Iterator[StepCache | NoCache]:
     """Cache `blocks` of `denoiser` (from `cached_blocks`) at `level` for one call of `pipe` of
     `steps` steps; everything is removed on the way out, whatever happened."""
     if level == "none":
-        yield _NoCache()
+        yield NoCache()
         return
     if level not in _INTERVAL:
         raise ValueError(f"unknown acceleration level {level!r}; allowed: {', '.join(LEVELS)}")

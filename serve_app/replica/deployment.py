@@ -13,6 +13,7 @@ import asyncio
 import collections
 import concurrent.futures
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -44,7 +45,7 @@ from serve_app.lora import Registry
 from serve_app.replica.adapters import AdapterResidency
 from serve_app.replica.control import Profiler, call_exported, outcome
 from serve_app.replica.health import Health
-from serve_app.replica.results import build_result, step_hook
+from serve_app.replica.results import build_result, joined_output, row_hooks, step_hook
 from serve_app.replica.routing import report_adapters
 from serve_app.replica.scheduler import Job, Scheduler
 from serve_app.schemas import (
@@ -312,6 +313,9 @@ class DiffusionReplica:
         loop = asyncio.get_running_loop()
         while True:
             batch = await self.scheduler.next_batch()
+            if self._joins(batch):
+                await self._run_joined(batch, loop)
+                continue
             rows = [r for j in batch for r in j.rows]
             hook = step_hook(batch, loop)
             try:
@@ -334,16 +338,21 @@ class DiffusionReplica:
                 self.scheduler.call_ended(batch)
                 metrics.set_queue_length(self.engine.model_name, self.queue_length())
 
-    def _run_call(self, batch: list[Job], rows: list[Row], hook) -> EngineOutput:
-        """On the engine thread: load the call's adapter if this replica lacks it, then run the
-        rows in pipeline calls of at most `max_batch_images` (one call unless one job is larger)."""
-        request, params = batch[0].payload
-        # Every adapter of the call's requests; the scheduler puts at most max_loaded in a call,
-        # and none of them is evicted to make room for another.
+    def _hold_adapters(self, batch: list[Job]) -> None:
+        """On the engine thread: load the adapters of the call's requests this replica lacks.
+        The scheduler puts at most max_loaded in a call, and none of them is evicted to make
+        room for another."""
         refs = [ref for job in batch for ref in job.payload[0].loras]
         names = {ref.name for ref in refs}
         for ref in refs:
             self.adapters.hold(ref.name, ref.path, keep=names)
+
+    def _run_call(self, batch: list[Job], rows: list[Row], hook) -> EngineOutput:
+        """On the engine thread: load the call's adapters if this replica lacks them, then run
+        the rows in pipeline calls of at most `max_batch_images` (one call unless one job is
+        larger)."""
+        request, params = batch[0].payload
+        self._hold_adapters(batch)
         size = self.batching.max_batch_images
         chunks = [rows[k : k + size] for k in range(0, len(rows), size)]
         parts = []
@@ -358,6 +367,93 @@ class DiffusionReplica:
         out.batch_images = max(len(c) for c in chunks)
         out.pipeline_calls = len(parts)
         return out
+
+    # ------------------------------------------------------------------ step-level joining
+
+    def _joins(self, batch: list[Job]) -> bool:
+        """Whether `batch` runs joined: the setting is on, the engine can join its calls, and
+        its rows fit one call and share one adapter set (joiners must have the same)."""
+        rows = [r for j in batch for r in j.rows]
+        return (
+            self.batching.step_joining
+            and len(rows) <= self.batching.max_batch_images
+            and all(r.adapters == rows[0].adapters for r in rows)
+            and self.engine.can_join(batch[0].payload[1])
+        )
+
+    async def _run_joined(self, batch: list[Job], loop: asyncio.AbstractEventLoop) -> None:
+        """Run `batch` as a joined call: between two denoising steps, queued requests of the
+        same kind join it (up to `max_batch_images` rows), and each request is answered as soon
+        as its own rows are done."""
+        params, adapters = batch[0].payload[1], batch[0].rows[0].adapters
+        members: dict[str, _Member] = {}
+        joining, run = batch, None
+        self.health.call_started = time.monotonic()
+        on_engine = functools.partial(loop.run_in_executor, self._engine_thread)
+        try:
+            run = await on_engine(self._open_joined, batch, params, adapters)
+            while True:
+                await on_engine(self._joined_step, run, joining, members, loop)
+                self.health.call_started = time.monotonic()
+                self._settle(members, params)
+                if not run.active:
+                    break
+                room = self.batching.max_batch_images - run.active
+                joining = self.scheduler.take_joiners(
+                    batch[0].key, room, lambda j: all(r.adapters == adapters for r in j.rows)
+                )
+        except Exception as e:  # the run could not start (an adapter failed to load)
+            err = self.health.classify(e, batch[0].request_id, len(batch[0].rows), params)
+            for job in [*batch, *(m.job for m in members.values())]:
+                if job.state == "running":
+                    self.scheduler.fail(job, err)
+        finally:
+            if run is not None:
+                await on_engine(run.close)
+                self._settle(members, params)
+            self.health.call_started = None
+            self.scheduler.call_ended(batch)
+            metrics.set_queue_length(self.engine.model_name, self.queue_length())
+        if self.health.fatal:
+            self._leave(loop)
+        elif self.health.needs_self_test:
+            await loop.run_in_executor(self._engine_thread, self.health.self_test, self.engine)
+
+    def _open_joined(self, batch: list[Job], params: CallParams, adapters):
+        self._hold_adapters(batch)
+        return self.engine.open_joined(params, tuple(sorted((n, s) for n, s in adapters if s != 0)))
+
+    def _joined_step(self, run, joining: list[Job], members: dict[str, _Member], loop) -> None:
+        """On the engine thread: add the joining requests' rows, then run one step of all."""
+        for job in joining:
+            m = members[job.request_id] = _Member(job)
+            m.seats = [run.add(row, hook) for row, hook in zip(job.rows, row_hooks(job, loop), strict=True)]
+        metrics.observe_batch(self.engine.model_name, run.active)
+        for m in members.values():
+            m.images = max(m.images, run.active)
+            m.requests = max(m.requests, len(members))
+        run.step()
+
+    def _settle(self, members: dict[str, _Member], params: CallParams) -> None:
+        """Answer each request of a joined call whose rows have all ended."""
+        for rid, m in list(members.items()):
+            if not all(seat.done for seat in m.seats):
+                continue
+            del members[rid]
+            job = m.job
+            self.scheduler.left(job)
+            error = next((seat.error for seat in m.seats if seat.error is not None), None)
+            if error is not None:
+                if job.state == "running":
+                    self.scheduler.fail(job, self.health.classify(error, rid, len(job.rows), params))
+                continue
+            self.health.consecutive_failures = 0
+            out = joined_output([seat.output for seat in m.seats])
+            out.batch_images, out.batch_requests = m.images, m.requests
+            if job.state == "running":  # else aborted during the call: its images are dropped
+                self.scheduler.retire(job, "done")
+                if not job.future.done():
+                    job.future.set_result(out)
 
     def _deliver(self, batch: list[Job], out: EngineOutput) -> None:
         start = 0
@@ -479,6 +575,16 @@ class DiffusionReplica:
                 pool.shutdown(wait=False, cancel_futures=True)
         if getattr(self, "adapters", None) is not None:
             self.adapters.close()
+
+
+@dataclasses.dataclass(eq=False)
+class _Member:
+    """A request in a joined call: its rows' seats and the most rows and requests it ran with."""
+
+    job: Job
+    seats: list = dataclasses.field(default_factory=list)
+    images: int = 0
+    requests: int = 0
 
 
 def _node_id() -> str | None:

@@ -173,8 +173,28 @@ class Scheduler:
                 job.state, job.started = "running", now
                 calls = -(-len(job.rows) // self.batching.max_batch_images)
                 job.total_steps = job.steps * calls
-            self.running = batch
+            self.running = list(batch)
             return batch
+
+    def take_joiners(self, key: Hashable, room: int, fits: Callable[[Job], bool]) -> list[Job]:
+        """Queued jobs of `key` that join a running call now (step-level joining), oldest first,
+        marked running: at most `room` images, and none past an older job that cannot join
+        (a request of another kind waits for the call to drain, not for ever)."""
+        out = []
+        for job in list(self.queue):
+            if job.key != key or len(job.rows) > room or not fits(job):
+                break
+            self.queue.remove(job)
+            job.state, job.started, job.total_steps = "running", time.perf_counter(), job.steps
+            self.running.append(job)
+            out.append(job)
+            room -= len(job.rows)
+        return out
+
+    def left(self, job: Job) -> None:
+        """A job of a joined call has ended while the call goes on."""
+        if job in self.running:
+            self.running.remove(job)
 
     def call_ended(self, batch: list[Job]) -> None:
         self.running = []

@@ -1,0 +1,253 @@
+"""Step-level joining: rows that start at different times share the denoiser at every step.
+
+Each row runs its own, unchanged pipeline call (its own scheduler, timesteps, generator, text
+encoding and decode) on a thread of its own. What the row's pipeline takes for its denoiser is
+a stand-in: a call to it hands the inputs over and waits. Once every row is waiting, the batch
+runs the real denoiser once over the rows' inputs put together (rows at different timesteps
+included: timesteps become per-row) and gives each row its part of the output. A new row joins
+between two steps: its thread runs up to its first denoiser call and is in the next batched
+call. A row leaves as soon as its own last step and decode are done.
+
+Only one thread runs at a time: the batch resumes the rows one after another and waits for
+each to reach its next denoiser call (or its end), so torch never runs on two threads at once
+and the rows' steps stay in a fixed order. Nothing here knows a pipeline family: any denoiser
+whose output for a row depends only on that row's inputs can be joined this way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+# Arguments that hold no row dimension whatever their first size (FLUX's position ids).
+_UNBATCHED = frozenset({"img_ids", "txt_ids"})
+
+
+class Seat:
+    """One row in the batch: its thread, its pending denoiser call, and how it ended."""
+
+    def __init__(self, batch: StepBatch, fn: Callable[[StandIn], Any], stop: Callable[[], BaseException]):
+        self._batch = batch
+        self._fn = fn
+        self._stop = stop
+        self._go = threading.Semaphore(0)
+        self.call: tuple[tuple, dict] | None = None  # the denoiser call it waits on
+        self._answer: tuple[Any, BaseException | None] | None = None
+        self.done = False
+        self.output: Any = None
+        self.error: BaseException | None = None
+        self.calls = 0
+        self.thread = threading.Thread(target=self._main, name="row", daemon=True)
+
+    def _main(self) -> None:
+        self._go.acquire()
+        try:
+            self.output = self._fn(StandIn(self._batch.denoiser, self))
+        except BaseException as e:  # handed to whoever reads the seat
+            self.error = e
+        finally:
+            self.done = True
+            self._batch._back.release()
+
+    def denoise(self, args: tuple, kwargs: dict) -> Any:
+        """On the row's thread: wait for the batched call and return this row's part."""
+        self.calls += 1
+        self.call = (args, kwargs)
+        self._batch._back.release()
+        self._go.acquire()
+        answer, error = self._answer or (None, self._stop())
+        self._answer = None
+        if error is not None:
+            raise error
+        return answer
+
+    def answer(self, value: Any = None, error: BaseException | None = None) -> None:
+        self.call = None
+        self._answer = (value, error)
+
+
+class StandIn:
+    """What a row's pipeline sees as its denoiser: the real module's attributes, but a call
+    goes to the batch. `on_call` (set by the engine) runs on the row's thread at each call."""
+
+    def __init__(self, module: torch.nn.Module, seat: Seat):
+        self._module = module
+        self._seat = seat
+        self.on_call: Callable[[], None] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.on_call is not None:
+            self.on_call()
+        return self._seat.denoise(args, kwargs)
+
+
+class StepBatch:
+    """The rows of one joined run. Driven from one thread: `add` rows, `step` until `active`
+    is 0, `close`. `stop` makes the error a row's pipeline gets when it is closed early."""
+
+    def __init__(self, denoiser: torch.nn.Module, stop: Callable[[], BaseException]):
+        self.denoiser = denoiser
+        self._stop = stop
+        self._back = threading.Semaphore(0)
+        self.seats: list[Seat] = []
+        self.denoiser_calls = 0  # batched calls run
+        self.largest = 0  # the most rows in one batched call
+
+    @property
+    def active(self) -> int:
+        return sum(not s.done for s in self.seats)
+
+    def add(self, fn: Callable[[StandIn], Any]) -> Seat:
+        """Start a row: `fn(stand_in)` runs its pipeline with `stand_in` as the denoiser.
+        Returns once the row waits for its first denoiser call (or has ended)."""
+        seat = Seat(self, fn, self._stop)
+        self.seats.append(seat)
+        seat.thread.start()
+        self._resume(seat)
+        return seat
+
+    def _resume(self, seat: Seat) -> None:
+        seat._go.release()
+        self._back.acquire()
+
+    def step(self) -> list[Seat]:
+        """One denoising step for every waiting row; returns the rows that ended (their last
+        step and decode done, or failed) since the last step, and forgets them."""
+        waiting = [s for s in self.seats if s.call is not None]
+        for group in _groups(waiting):
+            self._run(group)
+        for seat in waiting:
+            self._resume(seat)
+        ended = [s for s in self.seats if s.done]
+        self.seats = [s for s in self.seats if not s.done]
+        return ended
+
+    def _run(self, group: list[Seat]) -> None:
+        calls = [s.call for s in group]
+        sizes = [_rows(*c) for c in calls]
+        try:
+            with torch.no_grad():
+                if len(group) == 1:  # alone: exactly the call the pipeline made
+                    parts = [self.denoiser(*calls[0][0], **calls[0][1])]
+                else:
+                    args = tuple(_merge([c[0][i] for c in calls], sizes) for i in range(len(calls[0][0])))
+                    kwargs = {k: _merge([c[1][k] for c in calls], sizes, k) for k in calls[0][1]}
+                    parts = _split(self.denoiser(*args, **kwargs), sizes)
+        except Exception as e:  # every row of the call gets the error inside its own pipeline
+            for seat in group:
+                seat.answer(error=e)
+            return
+        self.denoiser_calls += 1
+        self.largest = max(self.largest, sum(sizes))
+        for seat, part in zip(group, parts, strict=True):
+            seat.answer(part)
+
+    def close(self) -> None:
+        """End every row still running (its pipeline gets the stop error) and wait for them."""
+        for seat in self.seats:
+            while not seat.done:
+                if seat.call is not None:
+                    seat.answer(error=self._stop())
+                self._resume(seat)
+        self.seats = []
+
+
+# ---------------------------------------------------------------------- putting calls together
+
+
+def _rows(args: tuple, kwargs: dict) -> int:
+    """A denoiser call's rows: the first size of its first tensor that has one (the latents)."""
+    for v in (*args, *kwargs.values()):
+        if isinstance(v, torch.Tensor) and v.dim() >= 1:
+            return v.shape[0]
+    return 1
+
+
+def _layout(value: Any, n: int, name: str = "") -> Any:
+    """What must match for two calls to be batched: shapes past the row dimension, dtypes,
+    devices, and every value that is not a tensor."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0:
+            return ("scalar", value.dtype, value.device)
+        if value.shape[0] == n and name not in _UNBATCHED:
+            return ("rows", tuple(value.shape[1:]), value.dtype, value.device)
+        return ("same", tuple(value.shape), value.dtype, value.device)
+    if isinstance(value, dict):
+        return ("dict", tuple((k, _layout(v, n, k)) for k, v in value.items()))
+    if isinstance(value, list | tuple):
+        return ("seq", type(value), tuple(_layout(v, n, name) for v in value))
+    try:
+        hash(value)
+    except TypeError:
+        return ("object", id(value))
+    return ("value", type(value), value)
+
+
+def _same_fixed(a: Any, b: Any, n_a: int, n_b: int, name: str = "") -> bool:
+    """Whether the tensors without a row dimension are equal in two calls of one layout."""
+    if isinstance(a, torch.Tensor):
+        if a.dim() >= 1 and a.shape[0] == n_a and name not in _UNBATCHED:
+            return True
+        return a.dim() == 0 or torch.equal(a, b)
+    if isinstance(a, dict):
+        return all(_same_fixed(a[k], b[k], n_a, n_b, k) for k in a)
+    if isinstance(a, list | tuple):
+        return all(_same_fixed(x, y, n_a, n_b, name) for x, y in zip(a, b, strict=True))
+    return True
+
+
+def _groups(seats: Sequence[Seat]) -> list[list[Seat]]:
+    """Waiting rows in groups whose calls can run as one: same layout, same fixed tensors."""
+    groups: list[tuple[Any, list[Seat]]] = []
+    for seat in seats:
+        args, kwargs = seat.call
+        n = _rows(args, kwargs)
+        layout = (_layout(args, n), _layout(kwargs, n))
+        for key, members in groups:
+            head_args, head_kwargs = members[0].call
+            m = _rows(head_args, head_kwargs)
+            if key == layout and _same_fixed((head_args, head_kwargs), (args, kwargs), m, n):
+                members.append(seat)
+                break
+        else:
+            groups.append((layout, [seat]))
+    return [members for _, members in groups]
+
+
+def _merge(values: list[Any], sizes: list[int], name: str = "") -> Any:
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        if first.dim() == 0:
+            if all(torch.equal(v, first) for v in values[1:]):
+                return first
+            return torch.cat([v.reshape(1).expand(n) for v, n in zip(values, sizes, strict=True)])
+        if first.shape[0] == sizes[0] and name not in _UNBATCHED:
+            return torch.cat(values)
+        return first
+    if isinstance(first, dict):
+        return {k: _merge([v[k] for v in values], sizes, k) for k in first}
+    if isinstance(first, list | tuple):
+        merged = [_merge([v[i] for v in values], sizes, name) for i in range(len(first))]
+        return type(first)(merged)
+    return first
+
+
+def _split(out: Any, sizes: list[int]) -> list[Any]:
+    """A batched call's output as each row's part."""
+    total = sum(sizes)
+    if isinstance(out, torch.Tensor) and out.dim() >= 1 and out.shape[0] == total:
+        return list(out.split(sizes))
+    if isinstance(out, tuple | list):
+        parts = [_split(o, sizes) for o in out]
+        return [type(out)(p[i] for p in parts) for i in range(len(sizes))]
+    if dataclasses.is_dataclass(out):
+        fields = {f.name: _split(getattr(out, f.name), sizes) for f in dataclasses.fields(out)}
+        return [type(out)(**{k: v[i] for k, v in fields.items()}) for i in range(len(sizes))]
+    return [out] * len(sizes)

@@ -1,0 +1,270 @@
+"""Step-level joining: a request that arrives while a call runs shares its denoiser from the
+next step on, and still gets the image it gets alone.
+
+The engine on the UNet twin (tiny-sd) and a transformer twin (tiny-flux): rows that join at
+different steps make their own images, in one batched denoiser call per step. The batch's rules
+on a toy denoiser. The replica driven directly (as Serve drives it): a request that arrives
+mid-call joins it; abort and failure of one joined request leave the others; requests of
+another kind are not passed over.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from serve_app.config import BatchingConfig
+from serve_app.engine import CallParams, DiffusionEngine, Row
+from serve_app.engine.joining import StepBatch
+from serve_app.errors import Aborted, InvalidRequest
+from serve_app.replica import DiffusionReplica
+from serve_app.replica.scheduler import Job, Scheduler
+from serve_app.schemas import GenerationRequest, PreparedRequest
+from tests.conftest import engine_cache
+from tests.test_replica import run, stop
+
+ROWS = [Row("a red cat", None, 11), Row("a dog", "blurry", 3), Row("a tree", None, 99)]
+STEPS = 5
+
+
+@pytest.fixture(scope="module")
+def engines():
+    with engine_cache() as get:
+        yield get
+
+
+def params(e: DiffusionEngine) -> CallParams:
+    return CallParams(height=e.default_height, width=e.default_width, steps=STEPS, guidance_scale=4.0)
+
+
+def pixels(im) -> np.ndarray:
+    return np.asarray(im).astype(np.int16)
+
+
+def close_to(a, b) -> bool:
+    """Equal to rounding: a batch of rows rounds a little differently on the CPU (as in
+    test_families' batch of two)."""
+    d = np.abs(pixels(a) - pixels(b))
+    return d.max() <= 2 and d.mean() < 0.05
+
+
+def run_joined(e: DiffusionEngine, p: CallParams, joins: dict[int, Row], hooks=None):
+    """Add each row before the step of its key (0: at the start); step until all have ended."""
+    run = e.open_joined(p)
+    seats, k = {}, 0
+    try:
+        while True:
+            for i, row in enumerate(joins.values()):
+                if list(joins)[i] == k:
+                    seats[i] = run.add(row, (hooks or {}).get(i))
+            if not run.active and len(seats) == len(joins):
+                break
+            run.step()
+            k += 1
+    finally:
+        run.close()
+    return run, [seats[i] for i in range(len(joins))]
+
+
+@pytest.mark.parametrize("name", ["tiny-sd", "tiny-flux"])
+def test_rows_that_join_at_different_steps_make_the_images_they_make_alone(engines, name):
+    e = engines(name)
+    p = params(e)
+    alone = [e.run([r], p).images[0] for r in ROWS]
+    # Row 0 starts; row 1 joins before step 2, row 2 before step 4: 8 steps in all.
+    run, seats = run_joined(e, p, {0: ROWS[0], 1: ROWS[1], 3: ROWS[2]})
+    for seat, image in zip(seats, alone, strict=True):
+        assert seat.error is None
+        assert seat.output.steps_run == STEPS and not seat.output.interrupted
+        assert close_to(seat.output.images[0], image)
+    assert not np.array_equal(pixels(seats[0].output.images[0]), pixels(seats[1].output.images[0]))
+    # One denoiser call per step for all the rows then running, not one per row and step.
+    assert run.batch.denoiser_calls == 3 + STEPS
+    cfg = 2 if name == "tiny-sd" else 1  # the UNet runs both halves of classifier-free guidance
+    assert run.batch.largest == 3 * cfg
+
+
+def test_a_row_stopped_by_its_hook_ends_at_once_and_the_others_finish(engines):
+    e = engines("tiny-sd")
+    p = params(e)
+    alone = e.run([ROWS[1]], p).images[0]
+    seen = []
+
+    def stop_at_two(i, total, latents):
+        seen.append(i)
+        return i == 1
+
+    run, (stopped, other) = run_joined(e, p, {0: ROWS[0], 1: ROWS[1]}, hooks={0: stop_at_two})
+    assert stopped.error is None and stopped.output.interrupted and stopped.output.images == []
+    assert seen == [0, 1]
+    assert close_to(other.output.images[0], alone)
+
+
+def test_a_failed_denoiser_call_fails_its_rows_and_the_engine_goes_on(engines):
+    e = engines("tiny-sd")
+    p = params(e)
+    calls = {"n": 0}
+
+    def fail_third(module, args, kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("injected denoiser failure")
+
+    handle = e.pipe.unet.register_forward_pre_hook(fail_third, with_kwargs=True)
+    try:
+        run, seats = run_joined(e, p, {0: ROWS[0], 1: ROWS[1]})
+    finally:
+        handle.remove()
+    assert [str(s.error) for s in seats] == ["injected denoiser failure"] * 2
+    assert run.active == 0
+    run, (again,) = run_joined(e, p, {0: ROWS[2]})
+    assert close_to(again.output.images[0], e.run([ROWS[2]], p).images[0])
+
+
+def test_a_run_closed_early_ends_its_rows_interrupted(engines):
+    e = engines("tiny-sd")
+    run = e.open_joined(params(e))
+    seats = [run.add(ROWS[0]), run.add(ROWS[1])]
+    run.step()
+    run.close()
+    assert all(s.done and s.output.interrupted and s.output.images == [] for s in seats)
+
+
+class _Recorder(torch.nn.Module):
+    """A toy denoiser: doubles its input and records the batched calls it got."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple] = []
+
+    def forward(self, x, t, scale=1.0):
+        self.seen.append((tuple(x.shape), tuple(t.shape), scale))
+        return (x * 2 * scale + t.reshape(-1, *[1] * (x.dim() - 1)),)
+
+
+def test_calls_share_the_denoiser_only_when_they_can():
+    net = _Recorder()
+    batch = StepBatch(net, lambda: RuntimeError("stopped"))
+
+    def row(shape, t, scale=1.0):
+        return lambda d: d(torch.ones(shape), torch.tensor(t), scale=scale)[0]
+
+    seats = [
+        batch.add(row((1, 4), 1.0)),
+        batch.add(row((2, 4), 5.0)),  # another timestep: per-row timesteps
+        batch.add(row((1, 3), 1.0)),  # another shape: a call of its own
+        batch.add(row((1, 4), 1.0, scale=0.5)),  # another setting: a call of its own
+    ]
+    ended = batch.step()
+    assert sorted(net.seen) == sorted([((3, 4), (3,), 1.0), ((1, 3), (), 1.0), ((1, 4), (), 0.5)])
+    assert len(ended) == 4 and all(s.error is None for s in seats)
+    assert torch.equal(seats[0].output, torch.full((1, 4), 3.0))
+    assert torch.equal(seats[1].output, torch.full((2, 4), 7.0))
+    assert torch.equal(seats[3].output, torch.full((1, 4), 2.0))
+
+
+# ---------------------------------------------------------------------- the replica
+
+
+@pytest.fixture(scope="module")
+def replica():
+    model = {"source": "builtin:tiny-sd", "device": "cpu", "default_steps": 8, "warmup": False}
+    r = DiffusionReplica(model, {"max_batch_images": 8, "batch_wait_ms": 0, "step_joining": True})
+    yield r
+    stop(r)
+
+
+def req(prompt: str, rid: str, seed: int, images: int = 1) -> PreparedRequest:
+    return PreparedRequest.from_request(
+        GenerationRequest(prompt=prompt, request_id=rid, seed=seed, num_images=images),
+        request_id=rid, seed=seed, height=32, width=32, steps=8, guidance_scale=7.5,
+    )  # fmt: skip
+
+
+async def at_step(r: DiffusionReplica, rid: str, step: int) -> None:
+    while (job := r.scheduler.jobs.get(rid)) is None or job.step < step:
+        await asyncio.sleep(0.002)
+
+
+def decoded(result) -> list[np.ndarray]:
+    return [pixels(Image.open(io.BytesIO(b))) for b in result.images]
+
+
+def test_a_request_arriving_mid_call_joins_it_and_gets_its_own_images(replica):
+    async def go():
+        first = asyncio.ensure_future(replica.generate(req("a red cat", "j-a", 1)))
+        await at_step(replica, "j-a", 3)
+        second = await replica.generate(req("a dog", "j-b", 2, images=2))
+        return await first, second
+
+    a, b = run(go())
+    assert (b.metrics.batch_requests, b.metrics.batch_images) == (2, 3)
+    assert a.metrics.steps == b.metrics.steps == 8
+    replica.reconfigure({"step_joining": False})
+    try:
+        a_alone = run(replica.generate(req("a red cat", "j-a2", 1)))
+        b_alone = run(replica.generate(req("a dog", "j-b2", 2, images=2)))
+    finally:
+        replica.reconfigure({"step_joining": True})
+    assert b_alone.metrics.batch_requests == 1
+    for got, want in zip(decoded(a) + decoded(b), decoded(a_alone) + decoded(b_alone), strict=True):
+        assert np.abs(got - want).max() <= 2
+    assert replica.stats().healthy
+
+
+def test_aborting_a_joined_request_leaves_the_other(replica):
+    async def go():
+        first = asyncio.ensure_future(replica.generate(req("a red cat", "k-a", 1)))
+        await at_step(replica, "k-a", 2)
+        second = asyncio.ensure_future(replica.generate(req("a dog", "k-b", 2)))
+        await at_step(replica, "k-b", 2)
+        assert replica.abort(["k-b"]) == {"k-b": "aborted"}
+        with pytest.raises(Aborted):
+            await second
+        return await first
+
+    a = run(go())
+    assert a.metrics.steps == 8 and len(a.images) == 1
+    assert replica.request_status("k-b").state == "aborted"
+    assert replica.stats().healthy
+
+
+def test_a_request_the_pipeline_refuses_in_a_joined_run_is_the_callers_error(replica):
+    # DDIM takes no custom sigmas: the pipeline raises inside the row's own call. Its `extra`
+    # makes it another kind of request: it waits for the running call, then runs joined alone.
+    async def go():
+        first = asyncio.ensure_future(replica.generate(req("a red cat", "f-a", 1)))
+        await at_step(replica, "f-a", 2)
+        bad = req("a dog", "f-b", 2).model_copy(update={"extra": {"sigmas": [1.0, 0.5]}})
+        with pytest.raises(InvalidRequest) as err:
+            await replica.generate(bad)
+        return await first, err.value
+
+    a, err = run(go())
+    assert err.param == "extra" and "sigmas" in err.message and err.request_id == "f-b"
+    assert a.metrics.steps == 8
+    stats = replica.stats()
+    assert stats.healthy and stats.engine_failures_in_a_row == 0
+
+
+def test_joiners_never_pass_an_older_request_of_another_kind():
+    s = Scheduler(BatchingConfig(max_batch_images=4, step_joining=True))
+    loop = asyncio.new_event_loop()
+
+    def job(rid, key, rows=1):
+        return Job(rid, [object()] * rows, key, 4, loop.create_future())
+
+    for j in (job("a", "k"), job("b", "k", rows=2), job("c", "other"), job("d", "k")):
+        s.submit(j)
+    taken = s.take_joiners("k", room=2, fits=lambda j: True)
+    assert [j.request_id for j in taken] == ["a"]  # "b" does not fit: nothing passes it
+    taken = s.take_joiners("k", room=3, fits=lambda j: True)
+    assert [j.request_id for j in taken] == ["b"]  # then "c", of another kind, holds "d" back
+    assert [j.request_id for j in s.queue] == ["c", "d"]
+    assert all(j.state == "running" for j in s.running)
+    loop.close()
