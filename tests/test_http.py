@@ -60,7 +60,10 @@ def test_same_seed_same_bytes_and_n_images_follow_seeds(client):
     b = post_ok(client, GEN, prompt="a lighthouse", seed=123, n=2)
     c = post_ok(client, GEN, prompt="a lighthouse", seed=124)
     assert [d["b64_json"] for d in a["data"]] == [d["b64_json"] for d in b["data"]]
-    assert a["data"][1]["b64_json"] == c["data"][0]["b64_json"]  # image k uses seed + k
+    # Image k uses seed + k: the same image as that seed alone, to the rounding of a batch of
+    # two against one (CPU kernels may block them differently: one grey level at most).
+    second, alone = (np.asarray(decode(d)).astype(int) for d in (a["data"][1], c["data"][0]))
+    assert np.abs(second - alone).max() <= 1
     assert a["data"][0]["b64_json"] != a["data"][1]["b64_json"]
 
 
