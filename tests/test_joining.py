@@ -179,10 +179,10 @@ def replica():
     stop(r)
 
 
-def req(prompt: str, rid: str, seed: int, images: int = 1) -> PreparedRequest:
+def req(prompt: str, rid: str, seed: int, images: int = 1, steps: int = 8, guidance: float = 7.5):
     return PreparedRequest.from_request(
         GenerationRequest(prompt=prompt, request_id=rid, seed=seed, num_images=images),
-        request_id=rid, seed=seed, height=32, width=32, steps=8, guidance_scale=7.5,
+        request_id=rid, seed=seed, height=32, width=32, steps=steps, guidance_scale=guidance,
     )  # fmt: skip
 
 
@@ -215,6 +215,24 @@ def test_a_request_arriving_mid_call_joins_it_and_gets_its_own_images(replica):
     for got, want in zip(decoded(a) + decoded(b), decoded(a_alone) + decoded(b_alone), strict=True):
         assert np.abs(got - want).max() <= 2
     assert replica.stats().healthy
+
+
+def test_requests_with_other_steps_and_guidance_join_too(replica):
+    # Each request runs its own pipeline call, so only the denoiser's inputs must fit together.
+    async def go():
+        first = asyncio.ensure_future(replica.generate(req("a red cat", "s-a", 1)))
+        await at_step(replica, "s-a", 2)
+        short = await replica.generate(req("a dog", "s-b", 2, steps=4, guidance=3.0))
+        return await first, short
+
+    a, b = run(go())
+    assert b.metrics.batch_requests == 2 and b.metrics.steps == 4 and a.metrics.steps == 8
+    replica.reconfigure({"step_joining": False})
+    try:
+        alone = run(replica.generate(req("a dog", "s-b2", 2, steps=4, guidance=3.0)))
+    finally:
+        replica.reconfigure({"step_joining": True})
+    assert np.abs(decoded(b)[0] - decoded(alone)[0]).max() <= 2
 
 
 def test_aborting_a_joined_request_leaves_the_other(replica):
@@ -257,7 +275,7 @@ def test_joiners_never_pass_an_older_request_of_another_kind():
     loop = asyncio.new_event_loop()
 
     def job(rid, key, rows=1):
-        return Job(rid, [object()] * rows, key, 4, loop.create_future())
+        return Job(rid, [object()] * rows, (key, rid), 4, loop.create_future(), join_key=key)
 
     for j in (job("a", "k"), job("b", "k", rows=2), job("c", "other"), job("d", "k")):
         s.submit(j)

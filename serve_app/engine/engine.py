@@ -413,9 +413,12 @@ class JoinedRun:
     def active(self) -> int:
         return self.batch.active
 
-    def add(self, row: Row, step_hook: StepHook | None = None) -> Seat:
-        """Start `row`; its `Seat` holds its `EngineOutput` (or error) once it has ended."""
-        return self.batch.add(lambda stand_in: self._engine._row_call(row, self.params, step_hook, stand_in))
+    def add(self, row: Row, step_hook: StepHook | None = None, params: CallParams | None = None) -> Seat:
+        """Start `row`; its `Seat` holds its `EngineOutput` (or error) once it has ended. Its
+        own `params` may differ from the run's in what one row's call decides alone (steps,
+        guidance, strength, the outputs asked for); the rest must be the run's."""
+        params = params or self.params
+        return self.batch.add(lambda stand_in: self._engine._row_call(row, params, step_hook, stand_in))
 
     def step(self) -> list[Seat]:
         return self.batch.step()

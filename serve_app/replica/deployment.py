@@ -227,7 +227,12 @@ class DiffusionReplica:
             adapters = tuple((r.name, r.scale) for r in request.loras)
             params = dataclasses.replace(params, loras=())
             rows = [dataclasses.replace(r, adapters=adapters) for r in rows]
-        key = (params, request.negative_prompt is None, *(t is None for t in embeds.values()))
+        kinds = (request.negative_prompt is None, *(t is None for t in embeds.values()))
+        key = (params, *kinds)
+        # A joined call runs each request's own pipeline call: steps, guidance, strength and
+        # the outputs asked for may differ between the requests that share its denoiser.
+        own = dict(steps=0, guidance_scale=0.0, strength=None, return_latents=False, return_trajectory=False)
+        join_key = (dataclasses.replace(params, **own), *kinds)
         job = Job(
             request_id=rid,
             rows=rows,
@@ -237,6 +242,7 @@ class DiffusionReplica:
             payload=(request, params),
             preview_every=preview_every,
             adapters=tuple(r.name for r in request.loras),
+            join_key=join_key,
         )
         for ref in request.loras:  # read files the replica lacks while the engine runs its calls
             self.adapters.prefetch(ref.name, ref.path)
@@ -400,7 +406,7 @@ class DiffusionReplica:
                     break
                 room = self.batching.max_batch_images - run.active
                 joining = self.scheduler.take_joiners(
-                    batch[0].key, room, lambda j: all(r.adapters == adapters for r in j.rows)
+                    batch[0].join_key, room, lambda j: all(r.adapters == adapters for r in j.rows)
                 )
         except Exception as e:  # the run could not start (an adapter failed to load)
             err = self.health.classify(e, batch[0].request_id, len(batch[0].rows), params)
@@ -427,7 +433,8 @@ class DiffusionReplica:
         """On the engine thread: add the joining requests' rows, then run one step of all."""
         for job in joining:
             m = members[job.request_id] = _Member(job)
-            m.seats = [run.add(row, hook) for row, hook in zip(job.rows, row_hooks(job, loop), strict=True)]
+            hooks = row_hooks(job, loop)
+            m.seats = [run.add(row, hook, job.payload[1]) for row, hook in zip(job.rows, hooks, strict=True)]
         metrics.observe_batch(self.engine.model_name, run.active)
         for m in members.values():
             m.images = max(m.images, run.active)

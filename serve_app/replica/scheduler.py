@@ -43,6 +43,9 @@ class Job:
     # The names of the job's adapters. Jobs with different adapters (or sets, or scales) may
     # share a call while the call names at most `max_adapters` adapters in all.
     adapters: tuple[str, ...] = ()
+    # Jobs with equal join keys may share a joined call (step-level joining), which runs each
+    # job's own pipeline call: a wider kind than `key`.
+    join_key: Hashable = None
 
 
 @dataclass(frozen=True)
@@ -176,13 +179,13 @@ class Scheduler:
             self.running = list(batch)
             return batch
 
-    def take_joiners(self, key: Hashable, room: int, fits: Callable[[Job], bool]) -> list[Job]:
-        """Queued jobs of `key` that join a running call now (step-level joining), oldest first,
+    def take_joiners(self, join_key: Hashable, room: int, fits: Callable[[Job], bool]) -> list[Job]:
+        """Queued jobs of `join_key` that join a running call now (step-level joining), oldest first,
         marked running: at most `room` images, and none past an older job that cannot join
         (a request of another kind waits for the call to drain, not for ever)."""
         out = []
         for job in list(self.queue):
-            if job.key != key or len(job.rows) > room or not fits(job):
+            if job.join_key != join_key or len(job.rows) > room or not fits(job):
                 break
             self.queue.remove(job)
             job.state, job.started, job.total_steps = "running", time.perf_counter(), job.steps
