@@ -235,11 +235,40 @@ def test_requests_with_other_steps_and_guidance_join_too(replica):
     assert np.abs(decoded(b)[0] - decoded(alone)[0]).max() <= 2
 
 
+def test_an_adapter_evicted_between_two_steps_still_applies_to_the_whole_call(replica, tmp_path):
+    from serve_app.lora import make_adapter
+    from serve_app.schemas import LoraRef
+
+    path = make_adapter(str(tmp_path / "style.safetensors"), seed=4, strength=4.0)
+    styled = req("a red cat", "l-a", 1).model_copy(
+        update={"loras": [LoraRef(name="style", scale=1.0, path=str(path))]}
+    )
+
+    async def go():
+        task = asyncio.ensure_future(replica.generate(styled))
+        await at_step(replica, "l-a", 2)
+        assert await replica.evict_lora("style")  # an admin's call, between two steps
+        return await task
+
+    joined = run(go())
+    replica.reconfigure({"step_joining": False})
+    try:
+        whole = run(replica.generate(styled.model_copy(update={"request_id": "l-b"})))
+        base = run(replica.generate(req("a red cat", "l-c", 1)))
+    finally:
+        replica.reconfigure({"step_joining": True})
+    assert np.abs(decoded(joined)[0] - decoded(whole)[0]).max() <= 2
+    assert np.abs(decoded(joined)[0] - decoded(base)[0]).max() > 10  # the adapter did apply
+
+
 def test_aborting_a_joined_request_leaves_the_other(replica):
     async def go():
         first = asyncio.ensure_future(replica.generate(req("a red cat", "k-a", 1)))
         await at_step(replica, "k-a", 2)
-        second = asyncio.ensure_future(replica.generate(req("a dog", "k-b", 2)))
+        # Two images with their latents: rows that end apart must not trip the answer's assembly.
+        second = asyncio.ensure_future(
+            replica.generate(req("a dog", "k-b", 2, images=2).model_copy(update={"return_latents": True}))
+        )
         await at_step(replica, "k-b", 2)
         assert replica.abort(["k-b"]) == {"k-b": "aborted"}
         with pytest.raises(Aborted):
@@ -249,7 +278,8 @@ def test_aborting_a_joined_request_leaves_the_other(replica):
     a = run(go())
     assert a.metrics.steps == 8 and len(a.images) == 1
     assert replica.request_status("k-b").state == "aborted"
-    assert replica.stats().healthy
+    stats = replica.stats()
+    assert stats.healthy and stats.engine_failures_in_a_row == 0
 
 
 def test_a_request_the_pipeline_refuses_in_a_joined_run_is_the_callers_error(replica):

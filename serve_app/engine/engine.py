@@ -403,9 +403,12 @@ class JoinedRun:
     between two steps and is its own pipeline call, with its own step hook; `step` runs one
     denoising step of every row and returns the rows that ended. On the engine thread only."""
 
-    def __init__(self, engine: DiffusionEngine, params: CallParams, restore: Callable[[], None]):
+    def __init__(
+        self, engine: DiffusionEngine, params: CallParams, adapters: tuple, restore: Callable[[], None]
+    ):
         self._engine = engine
         self.params = params
+        self.adapters = adapters
         self._restore = restore
         self.batch = StepBatch(find_denoiser(engine._task_pipes[params.task]), _StopCall)
 
@@ -418,9 +421,11 @@ class JoinedRun:
         own `params` may differ from the run's in what one row's call decides alone (steps,
         guidance, strength, the outputs asked for); the rest must be the run's."""
         params = params or self.params
+        self._engine._apply_lora(self.adapters)
         return self.batch.add(lambda stand_in: self._engine._row_call(row, params, step_hook, stand_in))
 
     def step(self) -> list[Seat]:
+        self._engine._apply_lora(self.adapters)  # in case something between steps changed them
         return self.batch.step()
 
     def close(self) -> None:
@@ -881,10 +886,11 @@ class DiffusionEngine:
     def open_joined(self, params: CallParams, adapters: tuple[tuple[str, float], ...] = ()) -> JoinedRun:
         """Start a joined run of calls with `params` whose rows all have `adapters` (or none);
         rows are added and stepped by the returned `JoinedRun` (see `joining`)."""
-        self._apply_lora(adapters or params.loras)
+        adapters = adapters or params.loras
+        self._apply_lora(adapters)
         restore = self._vae_modes(params)
         self._memory.start()
-        return JoinedRun(self, params, restore)
+        return JoinedRun(self, params, adapters, restore)
 
     def _row_call(self, row: Row, params: CallParams, step_hook: StepHook | None, stand_in) -> EngineOutput:
         """One row's own pipeline call in a joined run, with `stand_in` as its denoiser and a

@@ -108,8 +108,8 @@ class StepBatch:
         """Start a row: `fn(stand_in)` runs its pipeline with `stand_in` as the denoiser.
         Returns once the row waits for its first denoiser call (or has ended)."""
         seat = Seat(self, fn, self._stop)
+        seat.thread.start()  # first: a thread that cannot start leaves no seat waited on
         self.seats.append(seat)
-        seat.thread.start()
         self._resume(seat)
         return seat
 
@@ -164,7 +164,8 @@ class StepBatch:
 
 def _rows(args: tuple, kwargs: dict) -> int:
     """A denoiser call's rows: the first size of its first tensor that has one (the latents)."""
-    for v in (*args, *kwargs.values()):
+    named = [v for k, v in kwargs.items() if k not in _UNBATCHED]
+    for v in (*args, *named):
         if isinstance(v, torch.Tensor) and v.dim() >= 1:
             return v.shape[0]
     return 1
@@ -182,6 +183,10 @@ def _layout(value: Any, n: int, name: str = "") -> Any:
     if isinstance(value, dict):
         return ("dict", tuple((k, _layout(v, n, k)) for k, v in value.items()))
     if isinstance(value, list | tuple):
+        if not all(isinstance(v, torch.Tensor | dict | list | tuple) or v is None for v in value):
+            # Python values in a list may be one per row (QwenImage's `img_shapes`): a call
+            # with such a list runs alone rather than with the wrong list.
+            return ("object", id(value))
         return ("seq", type(value), tuple(_layout(v, n, name) for v in value))
     try:
         hash(value)
@@ -209,7 +214,7 @@ def _groups(seats: Sequence[Seat]) -> list[list[Seat]]:
     for seat in seats:
         args, kwargs = seat.call
         n = _rows(args, kwargs)
-        layout = (_layout(args, n), _layout(kwargs, n))
+        layout = (tuple(_layout(a, n) for a in args), _layout(kwargs, n))
         for key, members in groups:
             head_args, head_kwargs = members[0].call
             m = _rows(head_args, head_kwargs)
@@ -240,14 +245,20 @@ def _merge(values: list[Any], sizes: list[int], name: str = "") -> Any:
 
 
 def _split(out: Any, sizes: list[int]) -> list[Any]:
-    """A batched call's output as each row's part."""
+    """A batched call's output as each row's part; an output it cannot split raises rather than
+    hand every row the whole batch."""
     total = sum(sizes)
-    if isinstance(out, torch.Tensor) and out.dim() >= 1 and out.shape[0] == total:
-        return list(out.split(sizes))
+    if isinstance(out, torch.Tensor):
+        if out.dim() >= 1 and out.shape[0] == total:
+            return list(out.split(sizes))
+        raise ValueError(f"joined denoiser call: an output of shape {tuple(out.shape)} for {total} rows")
+    if dataclasses.is_dataclass(out):  # diffusers' outputs (a dataclass and a dict at once)
+        fields = {f.name: _split(getattr(out, f.name), sizes) for f in dataclasses.fields(out)}
+        return [type(out)(**{k: v[i] for k, v in fields.items()}) for i in range(len(sizes))]
+    if isinstance(out, dict):
+        parts = {k: _split(v, sizes) for k, v in out.items()}
+        return [type(out)((k, v[i]) for k, v in parts.items()) for i in range(len(sizes))]
     if isinstance(out, tuple | list):
         parts = [_split(o, sizes) for o in out]
         return [type(out)(p[i] for p in parts) for i in range(len(sizes))]
-    if dataclasses.is_dataclass(out):
-        fields = {f.name: _split(getattr(out, f.name), sizes) for f in dataclasses.fields(out)}
-        return [type(out)(**{k: v[i] for k, v in fields.items()}) for i in range(len(sizes))]
-    return [out] * len(sizes)
+    return [out] * len(sizes)  # None and other values that hold no rows

@@ -38,7 +38,9 @@ from serve_app.engine import (
 from serve_app.engine.engine import engine_class
 from serve_app.engine.media import encode_output
 from serve_app.errors import (
+    EngineFailure,
     InvalidRequest,
+    ServingError,
     Unavailable,
 )
 from serve_app.lora import Registry
@@ -399,24 +401,30 @@ class DiffusionReplica:
         try:
             run = await on_engine(self._open_joined, batch, params, adapters)
             while True:
-                await on_engine(self._joined_step, run, joining, members, loop)
+                await on_engine(self._joined_step, run, batch, joining, members, loop)
+                joining = []
                 self.health.call_started = time.monotonic()
                 self._settle(members, params)
-                if not run.active:
+                if not run.active or self.health.fatal:
                     break
                 room = self.batching.max_batch_images - run.active
                 joining = self.scheduler.take_joiners(
                     batch[0].join_key, room, lambda j: all(r.adapters == adapters for r in j.rows)
                 )
-        except Exception as e:  # the run could not start (an adapter failed to load)
+        except Exception as e:  # the run could not start or go on (an adapter failed to load)
             err = self.health.classify(e, batch[0].request_id, len(batch[0].rows), params)
-            for job in [*batch, *(m.job for m in members.values())]:
+            for job in [*batch, *joining, *(m.job for m in members.values())]:
                 if job.state == "running":
                     self.scheduler.fail(job, err)
         finally:
             if run is not None:
                 await on_engine(run.close)
-                self._settle(members, params)
+            # Requests still running here lost their call (the loop stopped, a fatal error):
+            # their rows ended unfinished, so they fail rather than answer with no images.
+            stopped = EngineFailure("engine error: the call stopped before this request was done")
+            for job in [*batch, *joining, *(m.job for m in members.values())]:
+                if job.state == "running":
+                    self.scheduler.fail(job, stopped)
             self.health.call_started = None
             self.scheduler.call_ended(batch)
             metrics.set_queue_length(self.engine.model_name, self.queue_length())
@@ -429,8 +437,11 @@ class DiffusionReplica:
         self._hold_adapters(batch)
         return self.engine.open_joined(params, tuple(sorted((n, s) for n, s in adapters if s != 0)))
 
-    def _joined_step(self, run, joining: list[Job], members: dict[str, _Member], loop) -> None:
-        """On the engine thread: add the joining requests' rows, then run one step of all."""
+    def _joined_step(self, run, batch: list[Job], joining: list[Job], members: dict, loop) -> None:
+        """On the engine thread: add the joining requests' rows, then run one step of all. The
+        run's adapters are held again first: an admin call between two steps may have evicted
+        or switched them (the run puts its own set back in force at every step)."""
+        self._hold_adapters(batch)
         for job in joining:
             m = members[job.request_id] = _Member(job)
             hooks = row_hooks(job, loop)
@@ -442,25 +453,29 @@ class DiffusionReplica:
         run.step()
 
     def _settle(self, members: dict[str, _Member], params: CallParams) -> None:
-        """Answer each request of a joined call whose rows have all ended."""
+        """Answer each request of a joined call whose rows have all ended. One failed denoiser
+        call fails every request in it with one error, counted once."""
+        errors: dict[int, ServingError] = {}
         for rid, m in list(members.items()):
             if not all(seat.done for seat in m.seats):
                 continue
             del members[rid]
             job = m.job
             self.scheduler.left(job)
+            if job.state != "running":  # aborted during the call: its images are dropped
+                continue
             error = next((seat.error for seat in m.seats if seat.error is not None), None)
             if error is not None:
-                if job.state == "running":
-                    self.scheduler.fail(job, self.health.classify(error, rid, len(job.rows), params))
+                if id(error) not in errors:
+                    errors[id(error)] = self.health.classify(error, rid, len(job.rows), params)
+                self.scheduler.fail(job, errors[id(error)])
                 continue
             self.health.consecutive_failures = 0
             out = joined_output([seat.output for seat in m.seats])
             out.batch_images, out.batch_requests = m.images, m.requests
-            if job.state == "running":  # else aborted during the call: its images are dropped
-                self.scheduler.retire(job, "done")
-                if not job.future.done():
-                    job.future.set_result(out)
+            self.scheduler.retire(job, "done")
+            if not job.future.done():
+                job.future.set_result(out)
 
     def _deliver(self, batch: list[Job], out: EngineOutput) -> None:
         start = 0
