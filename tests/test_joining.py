@@ -11,6 +11,7 @@ another kind are not passed over.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 
 import numpy as np
@@ -71,10 +72,15 @@ def run_joined(e: DiffusionEngine, p: CallParams, joins: dict[int, Row], hooks=N
     return run, [seats[i] for i in range(len(joins))]
 
 
-@pytest.mark.parametrize("name", ["tiny-sd", "tiny-flux"])
+# Rows per denoiser call of one row: the families that run both halves of classifier-free
+# guidance in one call; FLUX (guidance distilled) runs one; Wan calls its transformer twice.
+CFG_ROWS = {"tiny-sd": 2, "tiny-sdxl": 2, "tiny-sd3": 2, "tiny-flux": 1, "tiny-wan": 1}
+
+
+@pytest.mark.parametrize("name", list(CFG_ROWS))
 def test_rows_that_join_at_different_steps_make_the_images_they_make_alone(engines, name):
     e = engines(name)
-    p = params(e)
+    p = dataclasses.replace(params(e), num_frames=e.default_num_frames)
     alone = [e.run([r], p).images[0] for r in ROWS]
     # Row 0 starts; row 1 joins before step 2, row 2 before step 4: 8 steps in all.
     run, seats = run_joined(e, p, {0: ROWS[0], 1: ROWS[1], 3: ROWS[2]})
@@ -83,10 +89,26 @@ def test_rows_that_join_at_different_steps_make_the_images_they_make_alone(engin
         assert seat.output.steps_run == STEPS and not seat.output.interrupted
         assert close_to(seat.output.images[0], image)
     assert not np.array_equal(pixels(seats[0].output.images[0]), pixels(seats[1].output.images[0]))
+    if name == "tiny-wan":  # two calls a step per row (conditional, unconditional), batched too:
+        assert run.batch.denoiser_calls < STEPS * len(ROWS)  # alone: 2 * STEPS * len(ROWS)
+        return
     # One denoiser call per step for all the rows then running, not one per row and step.
     assert run.batch.denoiser_calls == 3 + STEPS
-    cfg = 2 if name == "tiny-sd" else 1  # the UNet runs both halves of classifier-free guidance
-    assert run.batch.largest == 3 * cfg
+    assert run.batch.largest == 3 * CFG_ROWS[name]
+
+
+@pytest.mark.parametrize("task", ["img2img", "inpaint"])
+def test_edits_join_too(engines, task):
+    e = engines("tiny-sd")
+    image = Image.new("RGB", (32, 32), (200, 30, 30))
+    mask = Image.new("L", (32, 32), 0)
+    mask.paste(255, (8, 8, 24, 24))
+    p = CallParams(height=32, width=32, steps=6, guidance_scale=5.0, task=task, strength=0.7)
+    rows = [dataclasses.replace(r, image=image, mask=mask) for r in ROWS[:2]]
+    alone = [e.run([r], p).images[0] for r in rows]
+    run, seats = run_joined(e, p, {0: rows[0], 1: rows[1]})
+    assert all(close_to(s.output.images[0], a) for s, a in zip(seats, alone, strict=True))
+    assert run.batch.denoiser_calls == 5  # 4 steps each (strength 0.7 of 6), one apart
 
 
 def test_a_row_stopped_by_its_hook_ends_at_once_and_the_others_finish(engines):
