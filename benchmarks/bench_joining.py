@@ -74,10 +74,6 @@ async def send(replica: DiffusionReplica, arrivals: list[float], args, tag: str)
     }
 
 
-def reconfigure(replica: DiffusionReplica, joining: bool) -> None:
-    replica.reconfigure({"step_joining": joining})
-
-
 async def main_async(args) -> dict:
     replica = DiffusionReplica(
         {"source": args.model, "device": args.device, "default_height": args.size,
@@ -85,7 +81,7 @@ async def main_async(args) -> dict:
         {"max_batch_images": args.batch},
     )  # fmt: skip
     raw = raw_images_per_s(replica, args)
-    reconfigure(replica, False)
+    replica.reconfigure({"step_joining": False})
     burst = await send(replica, [0.0] * (3 * args.batch), args, "capacity")
     capacity = burst["images_per_s"]
     print(f"raw pipeline batch {args.batch}: {raw:.2f} images/s; replica capacity: {capacity:.2f} images/s")
@@ -100,7 +96,7 @@ async def main_async(args) -> dict:
             arrivals.append(t)
         row = {}
         for mode in ("static", "joined"):
-            reconfigure(replica, mode == "joined")
+            replica.reconfigure({"step_joining": mode == "joined"})
             row[mode] = await send(replica, arrivals, args, f"{mode}-{load}")
             r = row[mode]
             print(f"{load:>5.0%} {mode:>7} {r['p50_s']:>7.2f} {r['p95_s']:>7.2f} "

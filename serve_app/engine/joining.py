@@ -40,7 +40,6 @@ class Seat:
         self.done = False
         self.output: Any = None
         self.error: BaseException | None = None
-        self.calls = 0
         self.thread = threading.Thread(target=self._main, name="row", daemon=True)
 
     def _main(self) -> None:
@@ -55,7 +54,6 @@ class Seat:
 
     def denoise(self, args: tuple, kwargs: dict) -> Any:
         """On the row's thread: wait for the batched call and return this row's part."""
-        self.calls += 1
         self.call = (args, kwargs)
         self._batch._back.release()
         self._go.acquire()
@@ -171,13 +169,18 @@ def _rows(args: tuple, kwargs: dict) -> int:
     return 1
 
 
+def _has_rows(t: torch.Tensor, n: int, name: str) -> bool:
+    """Whether tensor argument `name` of a call of `n` rows holds one entry per row."""
+    return t.dim() >= 1 and t.shape[0] == n and name not in _UNBATCHED
+
+
 def _layout(value: Any, n: int, name: str = "") -> Any:
     """What must match for two calls to be batched: shapes past the row dimension, dtypes,
     devices, and every value that is not a tensor."""
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
             return ("scalar", value.dtype, value.device)
-        if value.shape[0] == n and name not in _UNBATCHED:
+        if _has_rows(value, n, name):
             return ("rows", tuple(value.shape[1:]), value.dtype, value.device)
         return ("same", tuple(value.shape), value.dtype, value.device)
     if isinstance(value, dict):
@@ -198,9 +201,7 @@ def _layout(value: Any, n: int, name: str = "") -> Any:
 def _same_fixed(a: Any, b: Any, n_a: int, n_b: int, name: str = "") -> bool:
     """Whether the tensors without a row dimension are equal in two calls of one layout."""
     if isinstance(a, torch.Tensor):
-        if a.dim() >= 1 and a.shape[0] == n_a and name not in _UNBATCHED:
-            return True
-        return a.dim() == 0 or torch.equal(a, b)
+        return a.dim() == 0 or _has_rows(a, n_a, name) or torch.equal(a, b)
     if isinstance(a, dict):
         return all(_same_fixed(a[k], b[k], n_a, n_b, k) for k in a)
     if isinstance(a, list | tuple):
@@ -210,20 +211,18 @@ def _same_fixed(a: Any, b: Any, n_a: int, n_b: int, name: str = "") -> bool:
 
 def _groups(seats: Sequence[Seat]) -> list[list[Seat]]:
     """Waiting rows in groups whose calls can run as one: same layout, same fixed tensors."""
-    groups: list[tuple[Any, list[Seat]]] = []
+    groups: list[tuple[Any, int, list[Seat]]] = []  # layout, rows of the first call, seats
     for seat in seats:
         args, kwargs = seat.call
         n = _rows(args, kwargs)
         layout = (tuple(_layout(a, n) for a in args), _layout(kwargs, n))
-        for key, members in groups:
-            head_args, head_kwargs = members[0].call
-            m = _rows(head_args, head_kwargs)
-            if key == layout and _same_fixed((head_args, head_kwargs), (args, kwargs), m, n):
+        for key, m, members in groups:
+            if key == layout and _same_fixed(members[0].call, seat.call, m, n):
                 members.append(seat)
                 break
         else:
-            groups.append((layout, [seat]))
-    return [members for _, members in groups]
+            groups.append((layout, n, [seat]))
+    return [members for _, _, members in groups]
 
 
 def _merge(values: list[Any], sizes: list[int], name: str = "") -> Any:
@@ -233,7 +232,7 @@ def _merge(values: list[Any], sizes: list[int], name: str = "") -> Any:
             if all(torch.equal(v, first) for v in values[1:]):
                 return first
             return torch.cat([v.reshape(1).expand(n) for v, n in zip(values, sizes, strict=True)])
-        if first.shape[0] == sizes[0] and name not in _UNBATCHED:
+        if _has_rows(first, sizes[0], name):
             return torch.cat(values)
         return first
     if isinstance(first, dict):

@@ -398,6 +398,9 @@ class DiffusionReplica:
         joining, run = batch, None
         self.health.call_started = time.monotonic()
         on_engine = functools.partial(loop.run_in_executor, self._engine_thread)
+        # What requests still running at the end get: they lost their call (the loop stopped,
+        # a fatal error) and their rows ended unfinished, or the call failed as a whole.
+        lost: ServingError = EngineFailure("engine error: the call stopped before this request was done")
         try:
             run = await on_engine(self._open_joined, batch, params, adapters)
             while True:
@@ -412,19 +415,13 @@ class DiffusionReplica:
                     batch[0].join_key, room, lambda j: all(r.adapters == adapters for r in j.rows)
                 )
         except Exception as e:  # the run could not start or go on (an adapter failed to load)
-            err = self.health.classify(e, batch[0].request_id, len(batch[0].rows), params)
-            for job in [*batch, *joining, *(m.job for m in members.values())]:
-                if job.state == "running":
-                    self.scheduler.fail(job, err)
+            lost = self.health.classify(e, batch[0].request_id, len(batch[0].rows), params)
         finally:
             if run is not None:
                 await on_engine(run.close)
-            # Requests still running here lost their call (the loop stopped, a fatal error):
-            # their rows ended unfinished, so they fail rather than answer with no images.
-            stopped = EngineFailure("engine error: the call stopped before this request was done")
             for job in [*batch, *joining, *(m.job for m in members.values())]:
                 if job.state == "running":
-                    self.scheduler.fail(job, stopped)
+                    self.scheduler.fail(job, lost)
             self.health.call_started = None
             self.scheduler.call_ended(batch)
             metrics.set_queue_length(self.engine.model_name, self.queue_length())
