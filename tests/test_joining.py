@@ -13,13 +13,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
 
-from serve_app.config import BatchingConfig
+from serve_app.config import BatchingConfig, ModelConfig
 from serve_app.engine import CallParams, DiffusionEngine, Row
 from serve_app.engine.joining import StepBatch
 from serve_app.errors import Aborted, InvalidRequest
@@ -109,6 +110,18 @@ def test_edits_join_too(engines, task):
     run, seats = run_joined(e, p, {0: rows[0], 1: rows[1]})
     assert all(close_to(s.output.images[0], a) for s, a in zip(seats, alone, strict=True))
     assert run.batch.denoiser_calls == 5  # 4 steps each (strength 0.7 of 6), one apart
+
+
+def test_what_cannot_join_runs_in_whole_calls():
+    plain = CallParams(height=32, width=32, steps=4, guidance_scale=4.0)
+    with engine_cache() as get:
+        e = get("tiny-sd")
+        assert e.can_join(plain)
+        assert not e.can_join(dataclasses.replace(plain, acceleration="fast"))  # a step cache
+    # A compiled denoiser and CPU offload (CUDA only: the settings alone, on an engine's place).
+    for opt in ({"compile_denoiser": True}, {"cpu_offload": "model"}):
+        cfg = ModelConfig(source="builtin:tiny-sd", optimizations=opt)
+        assert not DiffusionEngine.can_join(SimpleNamespace(cfg=cfg), plain)
 
 
 def test_a_row_stopped_by_its_hook_ends_at_once_and_the_others_finish(engines):
