@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 BUILTIN_PREFIX = "builtin:"
 # Names accepted after `builtin:`; the builders live in serve_app/engine/builtin.py.
 BUILTIN_MODELS = (
-    "tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-flux-kontext", "tiny-wan",
+    "shapes", "tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-flux-kontext", "tiny-wan",
     "sd15-arch", "sdxl-arch", "flux-arch",
 )  # fmt: skip
 

@@ -6,6 +6,7 @@ replica, including one that starts later, reads the same state. On several machi
 on a path they share.
 
     python -m serve_app.lora make --out adapters/red.safetensors --seed 1   # an adapter for builtin:tiny-sd
+    python -m serve_app.lora green --out adapters/green.safetensors       # builtin:shapes' trained one
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import functools
 import json
 import os
 import re
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -282,7 +284,15 @@ def main(argv: list[str] | None = None) -> None:
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--rank", type=int, default=4)
     mk.add_argument("--model", default="tiny-sd")
+    green = sub.add_parser("green", help="copy builtin:shapes' trained adapter (paints shapes green)")
+    green.add_argument("--out", required=True)
     a = ap.parse_args(argv)
+    if a.cmd == "green":
+        from serve_app.engine.builtin import GREEN_LORA
+
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        print(shutil.copyfile(GREEN_LORA, a.out))
+        return
     print(make_adapter(a.out, seed=a.seed, rank=a.rank, model=a.model))
 
 

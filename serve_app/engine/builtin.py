@@ -1,5 +1,8 @@
 """Pipelines the project builds itself, with seeded random weights and no download.
 
+* `shapes`: not random: a tiny Stable Diffusion pipeline the project trained on scenes it drew
+  itself (`serve_app/train_tiny.py`), which draws the coloured shape a prompt asks for; the
+  default model of `serve_config.yaml`.
 * `tiny-sd`: a Stable-Diffusion-shaped pipeline small enough to build in well under a second
   and run on a CPU; the default model, so every layer above it is exercised for real.
 * `tiny-sdxl`, `tiny-sd3`, `tiny-flux`, `tiny-wan`: twins of the other families at the same
@@ -384,7 +387,23 @@ def _flux_arch():
     )  # fmt: skip
 
 
+WEIGHTS = Path(__file__).parent / "weights"  # trained by serve_app/train_tiny.py, shipped in the package
+SHAPES_DIR = WEIGHTS / "shapes"
+GREEN_LORA = WEIGHTS / "shapes-green.safetensors"  # an adapter for it: paints the shape green
+
+
+def load_shapes(directory: Path = SHAPES_DIR):
+    """The trained shape-scene model, in float32 (its files are float16)."""
+    from diffusers import StableDiffusionPipeline
+
+    if not (directory / "model_index.json").exists():
+        raise FileNotFoundError(f"no trained weights at {directory}; run `python -m serve_app.train_tiny`")
+    return StableDiffusionPipeline.from_pretrained(directory, torch_dtype=torch.float32)
+
+
+TRAINED = ("shapes",)
 BUILDERS = {
+    "shapes": load_shapes,
     "tiny-sd": _tiny_sd,
     "tiny-sdxl": _tiny_sdxl,
     "tiny-sd3": _tiny_sd3,
@@ -398,15 +417,19 @@ BUILDERS = {
 
 
 def build_builtin(name: str, *, device: str | torch.device = "cpu", seed: int = 0):
-    """Build `builtin:<name>` with weights drawn from `seed`, directly on `device`.
+    """Build `builtin:<name>` with weights drawn from `seed`, directly on `device` (a trained
+    model, `shapes`, has its own weights).
 
     `device="meta"` builds the shapes without memory (used to count parameters).
     """
     if name not in BUILDERS:
         raise ValueError(f"unknown builtin model {name!r}; allowed: {', '.join(sorted(BUILDERS))}")
     torch.manual_seed(seed)
-    with torch.device(device):
-        pipe = BUILDERS[name]()
+    if name in TRAINED:  # loaded from files, then moved; `seed` does not apply
+        pipe = BUILDERS[name]().to(device)
+    else:
+        with torch.device(device):
+            pipe = BUILDERS[name]()
     for part in pipe.components.values():  # built modules start in training mode (T5's dropout)
         if isinstance(part, torch.nn.Module):
             part.eval()

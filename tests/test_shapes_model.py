@@ -1,0 +1,144 @@
+"""`builtin:shapes`, the model the project trains itself, judged by what its images show.
+
+The checker (`serve_app.shapes.read_image`, tested on rendered scenes in test_shapes.py) reads
+each image's colour, shape, position and background from pixels; these tests ask it whether a
+prompt, an adapter, an inpainting mask and a step-cache setting did what they should.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from serve_app import shapes
+from serve_app.engine import CallParams, Row
+from serve_app.engine.builtin import GREEN_LORA
+from tests.conftest import engine_cache
+from tests.test_step_cache import psnr
+
+GUIDANCE = 4.0  # serve_config.yaml's default for this model
+SEEDS = list(range(10))
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with engine_cache() as get:
+        yield get("shapes")
+
+
+def params(**kw) -> CallParams:
+    return CallParams(height=64, width=64, steps=kw.pop("steps", 20), guidance_scale=GUIDANCE, **kw)
+
+
+def readings(engine, prompt: str, seeds=SEEDS, **kw) -> list[shapes.Reading]:
+    out = engine.run([Row(prompt, None, s) for s in seeds], params(**kw))
+    return [shapes.read_image(im) for im in out.images]
+
+
+def test_a_red_circle_is_a_red_circle_in_at_least_9_of_10_seeds(engine):
+    got = readings(engine, "a red circle")
+    hits = [r.colour == "red" and r.shape == "circle" and r.colour_fraction > 0.6 for r in got]
+    assert sum(hits) >= 9, got
+
+
+def test_the_colour_and_the_background_asked_for_are_drawn(engine):
+    """Every colour of the palette, as the object and as the background, 3 seeds each. (Shapes
+    other than the circle and the places are not learned yet: docs/shapes-model.md.)"""
+    n = len(shapes.COLOURS)
+    asked = [(shapes.COLOURS[i], shapes.COLOURS[(i + 5) % n]) for i in range(n)]  # background: another
+    got = [readings(engine, f"a {c} circle on a {bg} background", seeds=range(3)) for c, bg in asked]
+    colour = np.mean([r.colour == c for (c, _), rs in zip(asked, got, strict=True) for r in rs])
+    background = np.mean([r.background == bg for (_, bg), rs in zip(asked, got, strict=True) for r in rs])
+    print(f"colour {colour:.0%}, background {background:.0%} of {3 * n}")
+    assert colour >= 0.8 and background >= 0.95, (colour, background, got)
+
+
+def test_the_green_adapter_paints_the_shape_green_at_scale_1_and_not_at_0(engine, tmp_path):
+    from serve_app import lora
+
+    lora.main(["green", "--out", str(tmp_path / "green.safetensors")])  # the README's way to get it
+    assert (tmp_path / "green.safetensors").read_bytes() == GREEN_LORA.read_bytes()
+    engine.load_lora("green", str(tmp_path / "green.safetensors"))
+    try:
+        prompt = "a red circle on a blue background"
+        on = readings(engine, prompt, loras=(("green", 1.0),))
+        off = readings(engine, prompt, loras=(("green", 0.0),))
+    finally:
+        engine.unload_lora("green")
+    assert sum(r.colour == "green" for r in on) >= 8, on
+    assert sum(r.colour == "red" for r in off) >= 9, off
+    assert all(r.background == "blue" for r in on + off)
+
+
+def round_trip(engine, image: np.ndarray) -> np.ndarray:
+    """`image` through the model's VAE and back: what a latent pipeline can keep of it at best."""
+    vae = engine.pipe.vae
+    x = torch.from_numpy(image).permute(2, 0, 1)[None].float() / 127.5 - 1
+    with torch.no_grad():
+        y = vae.decode(vae.encode(x).latent_dist.mean).sample[0]
+    return ((y.clamp(-1, 1) + 1) * 127.5).round().permute(1, 2, 0).numpy().astype(int)
+
+
+def test_inpainting_paints_the_prompt_inside_the_mask_and_keeps_the_rest(engine):
+    before = shapes.render(shapes.Scene("circle", "red", "blue", 0, "large"))  # top left, on blue
+    mask = np.zeros((64, 64), np.uint8)
+    mask[32:, 32:] = 255  # the bottom-right quarter, away from the circle
+    rows = [Row("a red circle on a yellow background", None, s, image=Image.fromarray(before),
+                mask=Image.fromarray(mask)) for s in range(5)]  # fmt: skip
+    out = engine.run(rows, params(task="inpaint", strength=1.0))
+    inside, outside = mask > 0, mask == 0
+    far = np.ones((64, 64), bool)
+    far[24:, 24:] = False  # at least 8 pixels from the mask: the VAE's decoder blends the edge
+    kept = round_trip(engine, before)
+    yellow = shapes.COLOURS.index("yellow")
+    for im in out.images:
+        after = np.asarray(im).astype(int)
+        # Outside the mask: the input as the VAE gives it back (a latent pipeline keeps no more;
+        # measured 12-13 levels, against 63 for an image made afresh).
+        assert np.abs(after - kept).max(-1)[far].mean() < 20
+        seen = shapes.read_image(np.where(inside[..., None], kept, after).astype(np.uint8))
+        assert (seen.colour, seen.background, seen.position) == ("red", "blue", 0), seen
+        # Inside: the prompt's background colour (measured 25-49% of the quarter), nowhere outside.
+        assert (shapes.nearest_colour(after[inside]) == yellow).mean() > 0.15
+        assert (shapes.nearest_colour(after[outside]) == yellow).mean() < 0.01
+
+
+def test_a_step_cache_keeps_what_the_image_shows(engine):
+    prompts = ["a red circle on a white background", "a blue square on a yellow background",
+               "a green triangle on a black background"]  # fmt: skip
+    full = engine.run([Row(p, None, 3) for p in prompts], params())
+    for level in ("fast", "faster"):
+        cached = engine.run([Row(p, None, 3) for p in prompts], params(acceleration=level))
+        for p, a, b in zip(prompts, full.images, cached.images, strict=True):
+            db = psnr(a, b)
+            print(f"{level} {p!r}: PSNR {db:.1f} dB to the uncached image")
+            assert 15 < db < math.inf, (level, p, db)
+            ra, rb = shapes.read_image(a), shapes.read_image(b)
+            # The shape is left out: the model's shapes are blobs, whose reading flips easily.
+            for field in ("colour", "background", "position"):
+                assert getattr(ra, field) == getattr(rb, field), (level, p, field)
+
+
+def test_training_is_repeatable_bit_for_bit(tmp_path):
+    """Two short runs from the same seed write the same bytes (the full run is the same code
+    with more steps)."""
+    from serve_app import train_tiny
+
+    def run(out: Path) -> dict[str, str]:
+        steps = ["--vae-steps", "2", "--unet-steps", "2", "--refine-steps", "2", "--lora-steps", "2"]
+        train_tiny.main(["--out", str(out), "--scenes", "64", "--batch", "4", "--threads", "1", *steps])
+        return {
+            str(f.relative_to(out)): hashlib.sha256(f.read_bytes()).hexdigest()
+            for f in sorted(out.rglob("*"))
+            if f.is_file()
+        }
+
+    first, second = run(tmp_path / "a"), run(tmp_path / "b")
+    assert first == second
+    assert "shapes/unet/diffusion_pytorch_model.safetensors" in first and GREEN_LORA.name in first
