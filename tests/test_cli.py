@@ -6,7 +6,9 @@ the deployment goes through exactly the path a user takes.
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import io
 import os
 import signal
 import subprocess
@@ -17,7 +19,9 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
+from PIL import Image
 
+from serve_app.shapes import read_image
 from tests.conftest import free_port
 
 pytestmark = pytest.mark.slow
@@ -26,14 +30,13 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 
 
-def _wait_for_image(url: str, deadline_s: float) -> dict:
+def _wait_for_image(url: str, deadline_s: float, prompt: str = "cli", steps: int | None = 2) -> dict:
     end = time.monotonic() + deadline_s
     last = None
+    body = {"prompt": prompt, "seed": 1} | ({"num_inference_steps": steps} if steps else {})
     while time.monotonic() < end:
         try:
-            r = httpx.post(
-                url + "/v1/images/generations", json={"prompt": "cli", "num_inference_steps": 2}, timeout=30
-            )
+            r = httpx.post(url + "/v1/images/generations", json=body, timeout=30)
             if r.status_code == 200:
                 return r.json()
             last = f"{r.status_code} {r.text[:200]}"
@@ -104,8 +107,11 @@ def test_serve_deploy_then_status_then_shutdown(cli_cluster):
     cli = cli_cluster
     r = _serve(cli, "deploy", str(cli["config"]), "-a", cli["dash"])
     assert r.returncode == 0, r.stdout + r.stderr
-    body = _wait_for_image(cli["url"], 180)
-    assert body["model"] == "tiny-sd" and len(body["data"]) == 1
+    # The README's first image: the shipped config's defaults draw the colours the prompt asks for.
+    body = _wait_for_image(cli["url"], 180, prompt="a red circle on a blue background", steps=None)
+    assert body["model"] == "shapes" and len(body["data"]) == 1
+    seen = read_image(Image.open(io.BytesIO(base64.b64decode(body["data"][0]["b64_json"]))))
+    assert (seen.colour, seen.background) == ("red", "blue"), seen
     status = _serve(cli, "status", "-a", cli["dash"])
     assert status.returncode == 0 and "RUNNING" in status.stdout, status.stdout + status.stderr
     r = _serve(cli, "shutdown", "-y", "-a", cli["dash"])
@@ -120,7 +126,7 @@ def test_serve_run(cli_cluster):
     )  # fmt: skip
     try:
         body = _wait_for_image(cli["url"], 180)
-        assert body["model"] == "tiny-sd"
+        assert body["model"] == "shapes"
     finally:
         proc.send_signal(signal.SIGTERM)  # a background `serve run` ignores SIGINT
         try:

@@ -25,11 +25,11 @@ def test_every_shipped_config_builds(path):
     parsed = AppConfig.from_args(app_cfg["args"])
     build_app(app_cfg["args"])
     if path.name == "local-demo.yaml":
-        assert parsed.model.source == "builtin:tiny-sd" and parsed.auth.local_admin
+        assert parsed.model.source == "builtin:shapes" and parsed.auth.local_admin
     elif path.parent.name == "configs":
         assert parsed.replica.num_gpus == 1 and parsed.model.device == "cuda"
     else:
-        assert parsed.model.source == "builtin:tiny-sd" and parsed.replica.num_gpus == 0
+        assert parsed.model.source == "builtin:shapes" and parsed.replica.num_gpus == 0
     # Anonymous administration only ever on a host bound to loopback.
     if parsed.auth.local_admin:
         assert cfg["http_options"]["host"] in ("127.0.0.1", "::1", "localhost"), path.name
@@ -68,8 +68,8 @@ def test_each_config_names_the_twin_ci_runs_for_its_family(path):
 
     text = path.read_text()
     source = AppConfig.from_args(yaml.safe_load(text)["applications"][0]["args"]).model.source
-    if source == "builtin:tiny-sd":
-        return  # the model CI runs everywhere
+    if source in ("builtin:tiny-sd", "builtin:shapes"):
+        return  # embedded models CI runs themselves
     twin = re.search(r"^# CI twin: builtin:([\w-]+)", text, re.M)
     assert twin, f"{path.name} does not name its CI twin"
     assert twin.group(1) in [*TWINS, "tiny-sd"]
