@@ -269,21 +269,15 @@ def encode_latents(pipe, images: torch.Tensor) -> torch.Tensor:
     return torch.cat(out) * pipe.vae.config.scaling_factor
 
 
-def train_denoiser(
-    pipe,
-    latents: torch.Tensor,
-    scenes: list[shapes.Scene],
-    steps: int,
-    batch: int,
-    rng: np.random.Generator,
-    *,
-    lr: float,
-    params: list[torch.nn.Parameter],
-    prompt=_prompt,
-    ema: _EMA | None = None,
-    stage: str = "unet",
-) -> None:
-    """v-prediction training of the UNet (and whatever `params` holds) on (latent, prompt) pairs."""
+def train_text_to_image(pipe, latents: torch.Tensor, scenes: list[shapes.Scene], steps: int, batch: int,
+                        rng: np.random.Generator, lr: float) -> None:  # fmt: skip
+    """The UNet and the text encoder together, v-prediction on (latent, prompt) pairs; the EMA
+    of their weights is what stays."""
+    modules = [pipe.unet, pipe.text_encoder]
+    for m in modules:
+        m.requires_grad_(True).train()
+    ema = _EMA(modules, decay=0.995)
+    params = [p for m in modules for p in m.parameters()]
     sch = pipe.scheduler
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=1e-2)
     warm = max(1, steps // 20)
@@ -293,19 +287,21 @@ def train_denoiser(
 
     lrs = torch.optim.lr_scheduler.LambdaLR(opt, factor)
     gen = torch.Generator().manual_seed(int(rng.integers(2**31)))
-    progress = _Progress(stage, steps, opt, params, lrs=lrs)
+    progress = _Progress("unet", steps, opt, params, lrs=lrs)
     for step in range(1, steps + 1):
         idx = rng.integers(len(latents), size=batch)
         x0 = latents[torch.from_numpy(idx)]
-        cond = _encode_prompts(pipe, [prompt(scenes[i], rng) for i in idx])
+        cond = _encode_prompts(pipe, [_prompt(scenes[i], rng) for i in idx])
         noise = torch.randn(x0.shape, generator=gen)
         t = torch.randint(0, sch.config.num_train_timesteps, (batch,), generator=gen)
         xt = sch.add_noise(x0, noise, t)
         target = sch.get_velocity(x0, noise, t)
         pred = pipe.unet(xt, t, encoder_hidden_states=cond).sample
         progress.step(step, F.mse_loss(pred, target))
-        if ema is not None:
-            ema.update()
+        ema.update()
+    ema.copy_to()
+    for m in modules:
+        m.requires_grad_(False).eval()
 
 
 def train_green_lora(pipe, steps: int, batch: int, seed: int) -> dict[str, torch.Tensor]:
@@ -400,7 +396,7 @@ def train(args) -> None:
     pipe.vae.register_to_config(scaling_factor=scaling)
     latents = latents * scaling
     print(f"latent scaling factor {scaling:.4f}", flush=True)
-    _train_text_to_image(pipe, latents, scenes, args.unet_steps, rng, args, lr=args.lr)
+    train_text_to_image(pipe, latents, scenes, args.unet_steps, args.batch, rng, lr=args.lr)
     save_pipeline(pipe, out / "shapes")
     print(f"wrote {out / 'shapes'} ({time.monotonic() - t0:.0f} s)", flush=True)
     if args.refine_steps:
@@ -408,19 +404,6 @@ def train(args) -> None:
     if args.lora_steps:
         lora_only(args)
     print(f"done in {time.monotonic() - t0:.0f} s", flush=True)
-
-
-def _train_text_to_image(pipe, latents, scenes, steps: int, rng, args, lr: float) -> None:
-    """The UNet and the text encoder together; their EMA is what stays."""
-    modules = [pipe.unet, pipe.text_encoder]
-    for m in modules:
-        m.requires_grad_(True).train()
-    ema = _EMA(modules, decay=0.995)
-    params = [p for m in modules for p in m.parameters()]
-    train_denoiser(pipe, latents, scenes, steps, args.batch, rng, lr=lr, params=params, ema=ema)
-    ema.copy_to()
-    for m in modules:
-        m.requires_grad_(False).eval()
 
 
 def refine(args) -> None:
@@ -433,7 +416,7 @@ def refine(args) -> None:
     pipe = load_shapes(Path(args.out) / "shapes")
     scenes, images = make_scenes(args.scenes, rng)
     latents = encode_latents(pipe, images)
-    _train_text_to_image(pipe, latents, scenes, args.refine_steps, rng, args, lr=args.lr / 2)
+    train_text_to_image(pipe, latents, scenes, args.refine_steps, args.batch, rng, lr=args.lr / 2)
     save_pipeline(pipe, Path(args.out) / "shapes")
     print(f"refined {Path(args.out) / 'shapes'} ({time.monotonic() - t0:.0f} s)", flush=True)
 

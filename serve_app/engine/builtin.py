@@ -1,10 +1,11 @@
-"""Pipelines the project builds itself, with seeded random weights and no download.
+"""Pipelines the project makes itself, with no download.
 
-* `shapes`: not random: a tiny Stable Diffusion pipeline the project trained on scenes it drew
-  itself (`serve_app/train_tiny.py`), which draws the coloured shape a prompt asks for; the
-  default model of `serve_config.yaml`.
-* `tiny-sd`: a Stable-Diffusion-shaped pipeline small enough to build in well under a second
-  and run on a CPU; the default model, so every layer above it is exercised for real.
+* `shapes`: a tiny Stable Diffusion pipeline the project trained on scenes it drew itself
+  (`serve_app/train_tiny.py`, docs/shapes-model.md), loaded from the package; it draws the
+  colour and background a prompt asks for; the default model of `serve_config.yaml`.
+* The others have seeded random weights. `tiny-sd`: a Stable-Diffusion-shaped pipeline small
+  enough to build in well under a second and run on a CPU; the shared test app's model, so
+  every layer above it is exercised for real.
 * `tiny-sdxl`, `tiny-sd3`, `tiny-flux`, `tiny-wan`: twins of the other families at the same
   scale, each with the parts that make its family different (SDXL: two CLIP encoders, pooled
   embeddings and size conditioning; SD3: an MMDiT transformer, two CLIP encoders and a T5;
