@@ -10,9 +10,11 @@ import base64
 import contextlib
 import io
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,6 +54,10 @@ def cli_cluster(tmp_path_factory):
         k: free_port() for k in ("gcs", "dash", "agent", "agent_grpc", "metrics", "client", "env", "http")
     }
     env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0", RAY_AUTH_MODE="token")
+    # Its own temp dir: the cluster-address file it writes there must not point a later
+    # `serve run` or `ray.init()` at this short-lived cluster. A short path: Ray's socket paths
+    # under it must fit a Unix socket's 107 characters (pytest's temp dirs may not).
+    temp_dir = tempfile.mkdtemp(prefix="ray-cli-", dir="/tmp")
     head = subprocess.Popen(
         [
             str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2",
@@ -60,9 +66,7 @@ def cli_cluster(tmp_path_factory):
             f"--dashboard-agent-grpc-port={ports['agent_grpc']}",
             f"--metrics-export-port={ports['metrics']}", f"--ray-client-server-port={ports['client']}",
             f"--runtime-env-agent-port={ports['env']}",
-            # Its own temp dir: the cluster-address file it writes there must not point a later
-            # `serve run` or `ray.init()` at this short-lived cluster.
-            f"--temp-dir={tmp_path_factory.mktemp('ray')}",
+            f"--temp-dir={temp_dir}",
         ],
         env=env, cwd=tmp_path_factory.mktemp("head"), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
         start_new_session=True,
@@ -95,6 +99,7 @@ def cli_cluster(tmp_path_factory):
     with contextlib.suppress(ProcessLookupError):
         os.killpg(head.pid, signal.SIGKILL)
     head.wait(30)
+    shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _serve(cli, *args, timeout=180):

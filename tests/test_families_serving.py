@@ -20,6 +20,7 @@ from PIL import Image
 
 from serve_app.lora import make_adapter
 from serve_app.schemas import GenerationRequest, TensorPayload
+from serve_app.testing import SLOW_MARKER
 from tests.conftest import ADAPTER_DIR, SESSION_DIR, app_args, wait_for
 
 TWINS = ["tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-wan"]
@@ -147,7 +148,9 @@ def test_a_request_arriving_mid_call_joins_it_over_http(twins, client, name):
     first, late = f"join-a-{name}", f"join-b-{name}"
     body = {"prompt": "a red circle", "seed": 3, "num_inference_steps": 12}
     with cf.ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(client.post, route(name), json={**body, "prompt": "first", "request_id": first})
+        # The first call is slowed (0.1 s a step) so that the late request finds it still running.
+        slow = {**body, "prompt": f"first {SLOW_MARKER}", "request_id": first}
+        fut = pool.submit(client.post, route(name), json=slow)
         wait_for(lambda: client.get(f"{prefix(name)}/v1/requests/{first}").json().get("step", 0) >= 2, 60)
         joined = post(client, route(name), **body, request_id=late)
         r = fut.result(60)
