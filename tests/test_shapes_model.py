@@ -36,9 +36,13 @@ def params(**kw) -> CallParams:
     return CallParams(height=64, width=64, steps=kw.pop("steps", 20), guidance_scale=GUIDANCE, **kw)
 
 
+def read_rows(engine, rows: list[Row], **kw) -> list[shapes.Reading]:
+    """The checker's reading of each row's image, all rows in one engine call."""
+    return [shapes.read_image(im) for im in engine.run(rows, params(**kw)).images]
+
+
 def readings(engine, prompt: str, seeds=SEEDS, **kw) -> list[shapes.Reading]:
-    out = engine.run([Row(prompt, None, s) for s in seeds], params(**kw))
-    return [shapes.read_image(im) for im in out.images]
+    return read_rows(engine, [Row(prompt, None, s) for s in seeds], **kw)
 
 
 def test_a_red_circle_is_a_red_circle_in_at_least_9_of_10_seeds(engine):
@@ -53,7 +57,7 @@ def test_the_colour_and_the_background_asked_for_are_drawn(engine):
     n = len(shapes.COLOURS)
     asked = [(shapes.COLOURS[i], shapes.COLOURS[(i + 5) % n]) for i in range(n)]  # background: another
     rows = [Row(f"a {c} circle on a {bg} background", None, s) for c, bg in asked for s in range(3)]
-    got = [shapes.read_image(im) for im in engine.run(rows, params()).images]  # one call: 36 rows
+    got = read_rows(engine, rows)
     want = [pair for pair in asked for _ in range(3)]
     colour = np.mean([r.colour == c for (c, _), r in zip(want, got, strict=True)])
     background = np.mean([r.background == bg for (_, bg), r in zip(want, got, strict=True)])
