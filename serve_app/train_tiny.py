@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from serve_app import shapes
-from serve_app.engine.builtin import GREEN_LORA, WEIGHTS, load_shapes
+from serve_app.engine.builtin import GREEN_LORA, WEIGHTS, add_grid_positions, load_shapes
 
 MAX_TOKENS = 24
 LATENT_CHANNELS = 4
@@ -103,6 +103,11 @@ def build_pipeline(seed: int):
             pad_token_id=tok.pad_token_id,
         )
     )
+    # Token embeddings drawn large (std 1, not CLIP's 0.02): each word then dominates its own
+    # position's output from the first step. With CLIP's initialisation the words late in a
+    # prompt (the place) were drowned by attention and the UNet never learned to use them.
+    with torch.no_grad():
+        text.get_input_embeddings().weight.normal_(0.0, 1.0)
     vae = AutoencoderKL(
         block_out_channels=[16, 32],
         down_block_types=["DownEncoderBlock2D"] * 2,
@@ -125,6 +130,7 @@ def build_pipeline(seed: int):
         attention_head_dim=8,
         norm_num_groups=16,
     )
+    add_grid_positions(unet)
     scheduler = DDIMScheduler(
         beta_schedule="scaled_linear",
         beta_start=0.00085,

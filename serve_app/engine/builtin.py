@@ -2,7 +2,7 @@
 
 * `shapes`: a tiny Stable Diffusion pipeline the project trained on scenes it drew itself
   (`serve_app/train_tiny.py`, docs/shapes-model.md), loaded from the package; it draws the
-  colour and background a prompt asks for; the default model of `serve_config.yaml`.
+  colour, background and place a prompt asks for; the default model of `serve_config.yaml`.
 * The others have seeded random weights. `tiny-sd`: a Stable-Diffusion-shaped pipeline small
   enough to build in well under a second and run on a CPU; the shared test app's model, so
   every layer above it is exercised for real.
@@ -394,12 +394,56 @@ GREEN_LORA = WEIGHTS / "shapes-green.safetensors"  # an adapter for it: paints t
 
 
 def load_shapes(directory: Path = SHAPES_DIR):
-    """The trained shape-scene model, in float32 (its files are float16)."""
+    """The trained shape-scene model, in float32 (its files are float16), with the grid
+    positions its UNet was trained with."""
     from diffusers import StableDiffusionPipeline
 
     if not (directory / "model_index.json").exists():
         raise FileNotFoundError(f"no trained weights at {directory}; run `python -m serve_app.train_tiny`")
-    return StableDiffusionPipeline.from_pretrained(directory, torch_dtype=torch.float32)
+    pipe = StableDiffusionPipeline.from_pretrained(directory, torch_dtype=torch.float32)
+    add_grid_positions(pipe.unet)
+    return pipe
+
+
+class _GridPosition(torch.nn.Module):
+    """Fixed 2D sin/cos coordinates added to a transformer block's tokens before its attention
+    (diffusers' `BasicTransformerBlock.pos_embed` slot). Coordinates are relative to the
+    latent's height and width, so every image size sees the same places. No weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.hw: tuple[int, int] = (0, 0)  # set by the owning Transformer2DModel's pre-hook
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        from diffusers.models.embeddings import get_2d_sincos_pos_embed
+
+        grid = get_2d_sincos_pos_embed(tokens.shape[-1], self.hw, base_size=16, device=tokens.device)
+        return tokens + grid.to(tokens.dtype)
+
+
+def add_grid_positions(unet) -> None:
+    """Give `unet`'s attention blocks a sense of where each latent pixel is.
+
+    A UNet's convolutions learn absolute position only slowly, from their zero padding, so a
+    small model trained briefly could not place an object where the prompt said. With this, each
+    attention query carries its pixel's coordinates from the first step.
+    """
+    from diffusers.models.transformers.transformer_2d import Transformer2DModel
+
+    for module in unet.modules():
+        if not isinstance(module, Transformer2DModel):
+            continue
+        grids = []
+        for block in module.transformer_blocks:
+            block.pos_embed = _GridPosition()
+            grids.append(block.pos_embed)
+
+        def note_size(_module, args, kwargs, grids=grids):
+            hidden = args[0] if args else kwargs["hidden_states"]
+            for g in grids:
+                g.hw = tuple(hidden.shape[-2:])
+
+        module.register_forward_pre_hook(note_size, with_kwargs=True)
 
 
 TRAINED = ("shapes",)
