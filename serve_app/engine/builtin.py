@@ -22,6 +22,7 @@ Same name and seed give the same weights on every replica, so images are reprodu
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 from pathlib import Path
@@ -415,10 +416,15 @@ class _GridPosition(torch.nn.Module):
         self.hw: tuple[int, int] = (0, 0)  # set by the owning Transformer2DModel's pre-hook
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        from diffusers.models.embeddings import get_2d_sincos_pos_embed
+        return tokens + _grid_table(tokens.shape[-1], self.hw, tokens.device, tokens.dtype)
 
-        grid = get_2d_sincos_pos_embed(tokens.shape[-1], self.hw, base_size=16, device=tokens.device)
-        return tokens + grid.to(tokens.dtype)
+
+@functools.lru_cache(maxsize=32)
+def _grid_table(dim: int, hw: tuple[int, int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The (h*w, dim) sin/cos table: the same for every step and block of a size, so made once."""
+    from diffusers.models.embeddings import get_2d_sincos_pos_embed
+
+    return get_2d_sincos_pos_embed(dim, hw, base_size=16, device=device).to(dtype)
 
 
 def add_grid_positions(unet) -> None:
