@@ -419,7 +419,7 @@ class _GridPosition(torch.nn.Module):
         return tokens + _grid_table(tokens.shape[-1], self.hw, tokens.device, tokens.dtype)
 
 
-@functools.lru_cache(maxsize=32)
+@functools.lru_cache(maxsize=8)  # a few image sizes; at most ~25 MB at the 512-pixel limit
 def _grid_table(dim: int, hw: tuple[int, int], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The (h*w, dim) sin/cos table: the same for every step and block of a size, so made once."""
     from diffusers.models.embeddings import get_2d_sincos_pos_embed
