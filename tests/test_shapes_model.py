@@ -67,7 +67,7 @@ def test_the_vae_keeps_every_shape_readable():
 
 def test_the_colour_and_the_background_asked_for_are_drawn(engine):
     """Every colour of the palette, as the object and as the background, 3 seeds each. (The
-    shape is not asked: shapes other than the circle are not learned yet, docs/shapes-model.md.)"""
+    shape is not asked: only the circle and, in part, the triangle are learned, docs/shapes-model.md.)"""
     n = len(shapes.COLOURS)
     asked = [(shapes.COLOURS[i], shapes.COLOURS[(i + 5) % n]) for i in range(n)]  # background: another
     rows = [Row(f"a {c} circle on a {bg} background", None, s) for c, bg in asked for s in range(3)]
@@ -157,7 +157,7 @@ def test_a_step_cache_keeps_what_the_image_shows(engine):
             print(f"{level} {p!r}: PSNR {db:.1f} dB to the uncached image")
             assert 15 < db < math.inf, (level, p, db)
             ra, rb = shapes.read_image(a), shapes.read_image(b)
-            # The shape is left out: the model's shapes are blobs, whose reading flips easily.
+            # The shape is left out: squares and stars are still blobs, whose reading flips easily.
             for field in ("colour", "background", "position"):
                 assert getattr(ra, field) == getattr(rb, field), (level, p, field)
 
