@@ -132,6 +132,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The fast layer (`-m "not slow"`) proves each path on the SD twin; the other families' twins,
+# parametrized by `name`, run in the slow layer with everything else `.ci/run` runs.
+OTHER_FAMILIES = {"tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-wan", "tiny-flux-kontext"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        spec = getattr(item, "callspec", None)
+        if spec is not None and spec.params.get("name") in OTHER_FAMILIES:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray

@@ -6,6 +6,7 @@ import pytest
 
 from tests.conftest import deployed
 
+pytestmark = pytest.mark.slow  # an app of its own
 USER, ADMIN = "user-key-8f3a", "admin-key-1c9d"
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import av
+import pytest
 from PIL import Image
 
 
@@ -41,6 +42,7 @@ def test_check_reports_a_generation_at_the_native_size(tmp_path, capsys):
     assert again.read_bytes() == out.read_bytes()  # a fixed seed: the same image every time
 
 
+@pytest.mark.slow
 def test_check_writes_a_video_model_s_video(tmp_path):
     out = tmp_path / "boat.mp4"
     p = run_check("--model", "builtin:tiny-wan", "--steps", "2", "--device", "cpu", "--out", str(out))

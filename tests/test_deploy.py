@@ -99,6 +99,7 @@ def test_bad_config_fails_at_build_time(args, message):
     assert message in str(info.value)
 
 
+@pytest.mark.slow
 def test_model_that_cannot_load_fails_the_deployment_fast_with_its_reason(ray_cluster):
     from ray import serve
 
@@ -121,6 +122,7 @@ def test_model_that_cannot_load_fails_the_deployment_fast_with_its_reason(ray_cl
         serve.delete("broken")
 
 
+@pytest.mark.slow
 def test_a_start_past_its_deadline_fails_with_the_model_and_the_time(ray_cluster):
     from ray import serve
 

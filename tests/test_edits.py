@@ -263,6 +263,7 @@ def kontext(ray_cluster):
         yield p
 
 
+@pytest.mark.slow
 def test_an_instruction_edit_model_over_http(kontext, client):
     card = client.get(f"{kontext}/v1/models").json()["data"][0]
     assert card["tasks"] == ["generate", "edit"]

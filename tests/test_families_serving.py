@@ -23,6 +23,7 @@ from serve_app.schemas import GenerationRequest, TensorPayload
 from serve_app.testing import SLOW_MARKER
 from tests.conftest import ADAPTER_DIR, SESSION_DIR, app_args, wait_for
 
+pytestmark = pytest.mark.slow  # four apps of their own
 TWINS = ["tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-wan"]
 JOINED = ("tiny-sdxl", "tiny-flux")
 FAMILY = {"tiny-sdxl": "sdxl", "tiny-sd3": "sd3", "tiny-flux": "flux", "tiny-wan": "wan"}

@@ -19,6 +19,7 @@ from schemathesis.specs.openapi.checks import (
 
 from tests.conftest import SESSION_DIR, deployed
 
+pytestmark = pytest.mark.slow  # an app of its own
 ADMIN = "fuzz-admin-key"
 AUTH = {"Authorization": f"Bearer {ADMIN}"}
 STARTED_AS: list[str] = []  # the replica's id when the app came up

@@ -21,6 +21,7 @@ from tests.conftest import ADAPTER_DIR, SESSION_DIR, TEST_ARGS
 APP = "lora"
 P = f"/{APP}"
 GEN = f"{P}/v1/images/generations"
+own_app = pytest.mark.slow  # the tests on the two-replica app deployed here
 
 
 def lora_args(replicas: int = 2) -> dict:
@@ -71,6 +72,7 @@ def replicas_loaded(client) -> list[dict]:
     return client.get(f"{P}/v1/loras").json()["replicas"]
 
 
+@own_app
 def test_adapter_changes_the_image_and_scale_zero_is_the_base(lora_app, client):
     assert add(client, "red", scale=1.0).status_code == 200
     assert add(client, "blue").status_code == 200
@@ -87,6 +89,7 @@ def test_adapter_changes_the_image_and_scale_zero_is_the_base(lora_app, client):
     assert str(SESSION_DIR) not in str(listing)
 
 
+@own_app
 def test_stacked_adapters_give_one_image_whatever_their_order(lora_app, client):
     base, red = image(client), image(client, lora={"name": "red"})
     both = image(client, loras=[{"name": "red"}, {"name": "blue", "scale": 0.5}])
@@ -107,6 +110,7 @@ def test_stacked_adapters_give_one_image_whatever_their_order(lora_app, client):
     assert r.status_code == 404, r.text
 
 
+@own_app
 def test_same_adapter_image_on_every_replica_and_no_cross_contamination(lora_app, client):
     ref = {
         name: image(client, lora={"name": name}) if name else image(client) for name in ("red", "blue", None)
@@ -128,6 +132,7 @@ def test_same_adapter_image_on_every_replica_and_no_cross_contamination(lora_app
     assert holders
 
 
+@own_app
 def test_pinned_adapter_is_on_every_replica_and_a_full_pin_set_refuses_others(lora_app, client, files):
     assert add(client, "green").status_code == 200
     r = client.post(f"{P}/v1/loras/red/pin")
@@ -144,6 +149,7 @@ def test_pinned_adapter_is_on_every_replica_and_a_full_pin_set_refuses_others(lo
     assert green.shape == (32, 32, 3)
 
 
+@own_app
 def test_eviction_keeps_at_most_max_loaded(lora_app, client):
     add(client, "gold")
     for name in ("gold", "green", "blue", "gold", "green"):
@@ -157,6 +163,7 @@ def test_eviction_keeps_at_most_max_loaded(lora_app, client):
     assert all(r["loras_loaded_mb"] > 0 for r in stats)
 
 
+@own_app
 def test_replicas_started_later_load_pinned_adapters_and_the_registry_survives_a_restart(lora_app, client):
     # The app goes away entirely; its new replicas start after "red" was pinned and must load
     # it before they serve, from the registry file that outlived the old ones.
@@ -170,6 +177,7 @@ def test_replicas_started_later_load_pinned_adapters_and_the_registry_survives_a
     assert image(client, lora={"name": "gold"}).shape == (32, 32, 3)
 
 
+@own_app
 def test_remove_evicts_everywhere_and_later_requests_get_404(lora_app, client):
     image(client, lora={"name": "green"})
     r = client.delete(f"{P}/v1/loras/green")
@@ -180,6 +188,7 @@ def test_remove_evicts_everywhere_and_later_requests_get_404(lora_app, client):
     assert client.delete(f"{P}/v1/loras/green").status_code == 404
 
 
+@own_app
 @pytest.mark.parametrize(
     "name, path, status, message",
     [
@@ -208,6 +217,7 @@ def test_bad_adapters_are_refused_and_the_replicas_keep_serving(
     assert client.post(GEN, json={"prompt": "still serving"}).status_code == 200
 
 
+@own_app
 def test_unknown_adapter_on_a_request_is_404(lora_app, client):
     r = client.post(GEN, json={"prompt": "a", "lora": {"name": "no-such-adapter"}})
     assert r.status_code == 404 and "no-such-adapter" in r.json()["error"]["message"]

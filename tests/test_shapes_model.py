@@ -22,6 +22,8 @@ from serve_app.engine.builtin import GREEN_LORA
 from tests.conftest import engine_cache
 from tests.test_step_cache import psnr
 
+# Statistics over many 20-step images of the trained model, and a training run.
+pytestmark = pytest.mark.slow
 GUIDANCE = 4.0  # serve_config.yaml's default for this model
 SEEDS = list(range(10))
 

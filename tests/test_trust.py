@@ -160,6 +160,7 @@ def slow_start(ray_cluster):
     serve.delete(name, _blocking=False)
 
 
+@pytest.mark.slow
 def test_health_is_503_until_a_replica_is_ready_then_everything_works_at_once(slow_start, client):
     prefix, seen, stop = slow_start
     with httpx.Client(base_url=str(client.base_url) + prefix, timeout=60) as c:
@@ -182,6 +183,7 @@ def test_health_is_503_until_a_replica_is_ready_then_everything_works_at_once(sl
         assert "failed to deploy" not in str(body) and headers.get("retry-after") == "5", (path, headers)
 
 
+@pytest.mark.slow
 def test_admin_routes_are_closed_to_anonymous_callers_by_default(slow_start, client):
     prefix = slow_start[0]
     for method, path, kw in ADMIN_ROUTES:
