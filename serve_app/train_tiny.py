@@ -177,11 +177,11 @@ def make_scenes(n: int, rng: np.random.Generator) -> tuple[list[shapes.Scene], t
     return scenes, torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 127.5 - 1
 
 
-def _object_weight(images: torch.Tensor) -> torch.Tensor:
-    """Per-pixel loss weight: the object's pixels (far from the corner's colour) count 8 times."""
+def _object_weight(images: torch.Tensor, extra: float = 7.0) -> torch.Tensor:
+    """Per-pixel loss weight: the object's pixels (far from the corner's colour) count 1 + `extra` times."""
     corner = images[:, :, :1, :1]
     far = (images - corner).abs().sum(1, keepdim=True) > 0.2
-    return 1 + 7 * far.float()
+    return 1 + extra * far.float()
 
 
 class _Progress:
@@ -290,9 +290,11 @@ def encode_latents(pipe, images: torch.Tensor) -> torch.Tensor:
 
 
 def train_text_to_image(pipe, latents: torch.Tensor, scenes: list[shapes.Scene], steps: int, batch: int,
-                        rng: np.random.Generator, lr: float) -> None:  # fmt: skip
+                        rng: np.random.Generator, lr: float, weights: torch.Tensor | None = None,
+                        noisy: tuple[int, int, float] | None = None) -> None:  # fmt: skip
     """The UNet and the text encoder together, v-prediction on (latent, prompt) pairs; the EMA
-    of their weights is what stays."""
+    of their weights is what stays. `weights`: a loss weight per latent pixel (one map per
+    latent); `noisy` (low, high, share): that share of the timesteps drawn from [low, high)."""
     modules = [pipe.unet, pipe.text_encoder]
     for m in modules:
         m.requires_grad_(True).train()
@@ -314,10 +316,19 @@ def train_text_to_image(pipe, latents: torch.Tensor, scenes: list[shapes.Scene],
         cond = _encode_prompts(pipe, [_prompt(scenes[i], rng) for i in idx])
         noise = torch.randn(x0.shape, generator=gen)
         t = torch.randint(0, sch.config.num_train_timesteps, (batch,), generator=gen)
+        if noisy is not None:
+            low, high, share = noisy
+            t = torch.where(torch.rand(batch, generator=gen) < share,
+                            torch.randint(low, high, (batch,), generator=gen), t)  # fmt: skip
         xt = sch.add_noise(x0, noise, t)
         target = sch.get_velocity(x0, noise, t)
         pred = pipe.unet(xt, t, encoder_hidden_states=cond).sample
-        progress.step(step, F.mse_loss(pred, target))
+        if weights is None:
+            loss = F.mse_loss(pred, target)
+        else:
+            w = weights[torch.from_numpy(idx)]
+            loss = ((pred - target) ** 2 * w).mean() / w.mean()
+        progress.step(step, loss)
         ema.update()
     ema.copy_to()
     for m in modules:
@@ -422,26 +433,50 @@ def train(args) -> None:
     train_text_to_image(pipe, latents, scenes, args.unet_steps, args.batch, rng, lr=args.lr)
     save_pipeline(pipe, out / "shapes")
     print(f"wrote {out / 'shapes'} ({time.monotonic() - t0:.0f} s)", flush=True)
-    if args.refine_steps:
-        refine(args)
-    if args.lora_steps:
-        lora_only(args)
+    later_stages(args, "refine")
     print(f"done in {time.monotonic() - t0:.0f} s", flush=True)
+
+
+def later_stages(args, first: str) -> None:
+    """The stages that start from saved weights, from `first` ("refine", "shape" or "lora") on,
+    each unless its step count is 0."""
+    stages = {"refine": (args.refine_steps, refine), "shape": (args.shape_steps, sharpen_shapes),
+              "lora": (args.lora_steps, lora_only)}  # fmt: skip
+    for name in list(stages)[list(stages).index(first) :]:
+        steps, run = stages[name]
+        if steps:
+            run(args)
 
 
 def refine(args) -> None:
     """A second learning-rate cycle on the saved pipeline, on fresh scenes (seeded `seed + 1`),
     at half the learning rate: the stage that makes shapes and positions sharp."""
+    _cycle(args, 1, args.refine_steps, args.lr / 2, "refined")
+
+
+def sharpen_shapes(args) -> None:
+    """A third, shorter cycle (fresh scenes seeded `seed + 2`, a quarter of the learning rate)
+    aimed at shape: the object's latent pixels weigh 4 times in the loss, and 60% of the
+    timesteps are drawn from the noisy half where the outline is decided (450-950)."""
+    _cycle(args, 2, args.shape_steps, args.lr / 4, "sharpened", aim_at_shape=True)
+
+
+def _cycle(args, offset: int, steps: int, lr: float, done: str, aim_at_shape: bool = False) -> None:
+    """One more learning-rate cycle on the saved pipeline, on fresh scenes seeded `seed + offset`."""
     torch.set_num_threads(args.threads)
-    torch.manual_seed(args.seed + 1)
-    rng = np.random.default_rng(args.seed + 1)
+    torch.manual_seed(args.seed + offset)
+    rng = np.random.default_rng(args.seed + offset)
     t0 = time.monotonic()
     pipe = load_shapes(Path(args.out) / "shapes")
     scenes, images = make_scenes(args.scenes, rng)
     latents = encode_latents(pipe, images)
-    train_text_to_image(pipe, latents, scenes, args.refine_steps, args.batch, rng, lr=args.lr / 2)
+    aim = {}
+    if aim_at_shape:
+        weights = F.avg_pool2d(_object_weight(images, extra=3.0), images.shape[-1] // latents.shape[-1])
+        aim = {"weights": weights, "noisy": (450, 950, 0.6)}
+    train_text_to_image(pipe, latents, scenes, steps, args.batch, rng, lr=lr, **aim)
     save_pipeline(pipe, Path(args.out) / "shapes")
-    print(f"refined {Path(args.out) / 'shapes'} ({time.monotonic() - t0:.0f} s)", flush=True)
+    print(f"{done} {Path(args.out) / 'shapes'} ({time.monotonic() - t0:.0f} s)", flush=True)
 
 
 def lora_only(args) -> None:
@@ -522,10 +557,14 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vae-steps", type=int, default=800)
     ap.add_argument("--unet-steps", type=int, default=1500)
     ap.add_argument("--refine-steps", type=int, default=1900)
+    ap.add_argument("--shape-steps", type=int, default=700)
     ap.add_argument("--lora-steps", type=int, default=400)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--refine-only", action="store_true", help="the refining cycle (then the adapter) only")
+    ap.add_argument(
+        "--refine-only", action="store_true", help="the refining and shape cycles (then the adapter) only"
+    )
+    ap.add_argument("--shape-only", action="store_true", help="the shape cycle (then the adapter) only")
     ap.add_argument("--lora-only", action="store_true")
     ap.add_argument("--evaluate", action="store_true", help="read the saved model's images with the checker")
     ap.add_argument("--guidance", type=float, default=4.0, help="of --evaluate and --sheet")
@@ -546,9 +585,9 @@ def main(argv: list[str] | None = None) -> None:
             mine, theirs = step_time(pipe, tiny)
             print(f"step time at 64x64: shapes {mine * 1e3:.1f} ms, tiny-sd {theirs * 1e3:.1f} ms")
     elif args.refine_only:
-        refine(args)
-        if args.lora_steps:
-            lora_only(args)
+        later_stages(args, "refine")
+    elif args.shape_only:
+        later_stages(args, "shape")
     elif args.lora_only:
         lora_only(args)
     else:

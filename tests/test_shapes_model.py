@@ -55,6 +55,13 @@ def test_a_red_circle_is_a_red_circle_in_at_least_9_of_10_seeds(engine):
     assert sum(hits) >= 9, got
 
 
+def test_a_triangle_is_drawn_as_one_in_at_least_7_of_10_seeds(engine):
+    """The shape word, on its own colours: the weights before the shape cycle (train_tiny's
+    `sharpen_shapes`) drew 5 of 10 (docs/shapes-model.md)."""
+    got = readings(engine, "a yellow triangle on a black background")
+    assert sum(r.shape == "triangle" for r in got) >= 7, got
+
+
 def test_the_vae_keeps_every_shape_readable(engine):
     """The UNet draws in the VAE's latents, so what a round trip through the VAE blurs away no
     prompt can bring back: on its reconstructions of 200 fresh scenes the checker must still
@@ -68,7 +75,8 @@ def test_the_vae_keeps_every_shape_readable(engine):
 
 def test_the_colour_and_the_background_asked_for_are_drawn(engine):
     """Every colour of the palette, as the object and as the background, 3 seeds each. (The
-    shape is not asked: only the circle and, in part, the triangle are learned, docs/shapes-model.md.)"""
+    shape is not asked: circles and triangles are learned, squares and stars only now and then,
+    docs/shapes-model.md.)"""
     n = len(shapes.COLOURS)
     asked = [(shapes.COLOURS[i], shapes.COLOURS[(i + 5) % n]) for i in range(n)]  # background: another
     rows = [Row(f"a {c} circle on a {bg} background", None, s) for c, bg in asked for s in range(3)]
@@ -134,10 +142,10 @@ def test_inpainting_paints_the_prompt_inside_the_mask_and_keeps_the_rest(engine)
         # against 63 levels for an image made afresh).
         drift = np.abs(after - kept).max(-1)[far].mean()
         print(f"inpainting: {drift:.1f} levels from the input's round trip outside the mask")
-        assert drift < 25  # measured 14.5-16.4
+        assert drift < 25  # measured 18.5-19.5
         seen = shapes.read_image(np.where(inside[..., None], kept, after).astype(np.uint8))
         assert (seen.colour, seen.background, seen.position) == ("red", "blue", 0), seen
-        # Inside: the prompt's yellow circle (measured 25-31% of the quarter), nowhere outside.
+        # Inside: the prompt's yellow circle (measured 39-41% of the quarter), nowhere outside.
         painted = (shapes.nearest_colour(after[inside]) == yellow).mean()
         print(f"inpainting: {painted:.0%} of the quarter yellow")
         assert painted > 0.15
@@ -158,7 +166,7 @@ def test_a_step_cache_keeps_what_the_image_shows(engine):
             print(f"{level} {p!r}: PSNR {db:.1f} dB to the uncached image")
             assert 15 < db < math.inf, (level, p, db)
             ra, rb = shapes.read_image(a), shapes.read_image(b)
-            # The shape is left out: squares and stars are still blobs, whose reading flips easily.
+            # The shape is left out: squares and stars are mostly blobs, whose reading flips easily.
             for field in ("colour", "background", "position"):
                 assert getattr(ra, field) == getattr(rb, field), (level, p, field)
 
@@ -169,7 +177,8 @@ def test_training_is_repeatable_bit_for_bit(tmp_path):
     from serve_app import train_tiny
 
     def run(out: Path) -> dict[str, str]:
-        steps = ["--vae-steps", "2", "--unet-steps", "2", "--refine-steps", "2", "--lora-steps", "2"]
+        stages = ("--vae-steps", "--unet-steps", "--refine-steps", "--shape-steps", "--lora-steps")
+        steps = [arg for stage in stages for arg in (stage, "2")]
         train_tiny.main(["--out", str(out), "--scenes", "64", "--batch", "4", "--threads", "1", *steps])
         return {
             str(f.relative_to(out)): hashlib.sha256(f.read_bytes()).hexdigest()

@@ -2,7 +2,7 @@
 
 * `shapes`: a tiny Stable Diffusion pipeline the project trained on scenes it drew itself
   (`serve_app/train_tiny.py`, docs/shapes-model.md), loaded from the package; it draws the
-  colour, background and place a prompt asks for, circles, and triangles half the time;
+  colour, background and place a prompt asks for, circles and triangles (squares and stars now and then);
   the default model of `serve_config.yaml`.
 * The others have seeded random weights. `tiny-sd`: a Stable-Diffusion-shaped pipeline small
   enough to build in well under a second and run on a CPU; the shared test app's model, so
