@@ -312,7 +312,8 @@ def train_text_to_image(pipe, latents: torch.Tensor, scenes: list[shapes.Scene],
     progress = _Progress("unet", steps, opt, params, lrs=lrs)
     for step in range(1, steps + 1):
         idx = rng.integers(len(latents), size=batch)
-        x0 = latents[torch.from_numpy(idx)]
+        rows = torch.from_numpy(idx)
+        x0 = latents[rows]
         cond = _encode_prompts(pipe, [_prompt(scenes[i], rng) for i in idx])
         noise = torch.randn(x0.shape, generator=gen)
         t = torch.randint(0, sch.config.num_train_timesteps, (batch,), generator=gen)
@@ -326,7 +327,7 @@ def train_text_to_image(pipe, latents: torch.Tensor, scenes: list[shapes.Scene],
         if weights is None:
             loss = F.mse_loss(pred, target)
         else:
-            w = weights[torch.from_numpy(idx)]
+            w = weights[rows]
             loss = ((pred - target) ** 2 * w).mean() / w.mean()
         progress.step(step, loss)
         ema.update()
