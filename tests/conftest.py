@@ -14,6 +14,7 @@ import os
 import socket
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -142,6 +143,14 @@ def pytest_collection_modifyitems(items):
         spec = getattr(item, "callspec", None)
         if spec is not None and spec.params.get("name") in OTHER_FAMILIES:
             item.add_marker(pytest.mark.slow)
+    # Modules that run in this process alone go first (file order is kept within each group):
+    # while they run, the session's cluster and shared app start (`_start_early`).
+    on_cluster = {
+        item.module.__name__
+        for item in items
+        if "ray_cluster" in item.fixturenames or item.get_closest_marker("own_cluster")
+    }
+    items.sort(key=lambda item: item.module.__name__ in on_cluster)
 
 
 @pytest.fixture(scope="session")
@@ -155,19 +164,80 @@ def ray_cluster():
     port = free_port()
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     yield f"http://127.0.0.1:{port}"
-    serve.shutdown()
+    # The session's cluster goes whole: Serve's orderly shutdown of every app first took 5-7 s.
     ray.shutdown()
+
+
+def _deploy_shared_app() -> None:
+    """Start deploying the shared app (once) without waiting for it."""
+    from ray import serve
+    from ray.serve.api import RunTarget
+
+    from serve_app.app import build_app
+
+    if APP_NAME not in serve.status().applications:
+        serve.run_many(
+            [RunTarget(build_app(TEST_ARGS), name=APP_NAME, route_prefix="/")],
+            wait_for_ingress_deployment_creation=False,
+            wait_for_applications_running=False,
+        )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _start_early(request):
+    """When the session needs the shared app, start the cluster and the app at its first test:
+    the in-process tests sorted before the app's users run while its replica starts (about
+    10 s, most of it the replica's imports)."""
+    if any("app" in item.fixturenames for item in request.session.items):
+        request.getfixturevalue("ray_cluster")
+        _deploy_shared_app()
 
 
 @pytest.fixture(scope="session")
 def app(ray_cluster):
-    """The shared app; yields its base URL."""
+    """The shared app, running; yields its base URL."""
     from ray import serve
 
-    from serve_app.app import build_app
+    _deploy_shared_app()
 
-    serve.run(build_app(TEST_ARGS), name=APP_NAME, route_prefix="/")
+    def running():
+        st = serve.status().applications[APP_NAME]
+        if st.status == "DEPLOY_FAILED":
+            pytest.fail(f"the shared test app failed to start: {st.message} {st.deployments}")
+        return st.status == "RUNNING"
+
+    wait_for(running, 180, 0.2)
     return ray_cluster
+
+
+# What to do after a test (its node id): session fixtures free what only earlier tests use.
+_AFTER: dict[str, Callable[[], object]] = {}
+
+
+def pytest_runtest_teardown(item, nextitem):
+    if (action := _AFTER.pop(item.nodeid, None)) is not None:
+        action()
+
+
+# The keys of `keyed_app`.
+USER_KEY, ADMIN_KEY = "user-key-8f3a", "admin-key-1c9d"
+
+
+@pytest.fixture(scope="session")
+def keyed_app(request, ray_cluster):
+    """An app that needs API keys, with a short batch window (the shared app waits 100 ms to
+    batch test requests): test_auth checks its keys, test_soak sends it mixed traffic. One app
+    for both, since every app started costs about 10 s; deleted after the last test that uses
+    it. Yields its route prefix."""
+    from ray import serve
+
+    name = "keyed"
+    users = [item for item in request.session.items if "keyed_app" in item.fixturenames]
+    _AFTER[users[-1].nodeid] = lambda: serve.delete(name, _blocking=False)
+    return deploy(
+        name,
+        app_args(auth={"api_keys": [USER_KEY], "admin_keys": [ADMIN_KEY]}, batching={"batch_wait_ms": 5}),
+    )
 
 
 @pytest.fixture

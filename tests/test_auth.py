@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import deployed
+from tests.conftest import ADMIN_KEY as ADMIN
+from tests.conftest import USER_KEY as USER
 
-pytestmark = pytest.mark.slow  # an app of its own
-USER, ADMIN = "user-key-8f3a", "admin-key-1c9d"
+pytestmark = pytest.mark.slow  # the app with keys
 
 
 @pytest.fixture(scope="module")
-def auth_app(ray_cluster):
-    with deployed("auth", auth={"api_keys": [USER], "admin_keys": [ADMIN]}) as prefix:
-        yield prefix
+def auth_app(keyed_app):
+    return keyed_app
 
 
 def hdr(key):

@@ -26,7 +26,7 @@ from PIL import Image
 from serve_app.shapes import read_image
 from tests.conftest import free_port
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.own_cluster]
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

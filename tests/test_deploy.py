@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from serve_app.app import build_app
 from serve_app.config import AppConfig
+from tests.conftest import wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG_FILES = [ROOT / "serve_config.yaml", *sorted((ROOT / "configs").glob("*.yaml"))]
@@ -100,42 +101,75 @@ def test_bad_config_fails_at_build_time(args, message):
 
 
 @pytest.mark.slow
-def test_model_that_cannot_load_fails_the_deployment_fast_with_its_reason(ray_cluster):
+def test_a_model_that_cannot_load_and_a_start_past_its_deadline_fail_fast_with_their_reasons(ray_cluster):
+    """Two broken apps at once (each failed start costs a replica process about 10 s): one names
+    a model that is not there, one warms up for longer than its `init_timeout_s`."""
     from ray import serve
+    from ray.serve.api import RunTarget
 
-    args = {
+    missing = {
         "model": {"source": "/nonexistent/diffusers-model", "device": "cpu"},
         "replica": {"num_cpus": 0, "max_constructor_retry_count": 1},
         "ingress": {"num_cpus": 0},
     }
-    t = time.perf_counter()
-    with pytest.raises(RuntimeError) as info:
-        serve.run(build_app(args), name="broken", route_prefix="/broken")
-    elapsed = time.perf_counter() - t
-    try:
-        assert "broken" in str(info.value)
-        status = serve.status().applications["broken"]
-        assert status.status == "DEPLOY_FAILED"
-        assert "is not a directory" in status.deployments["DiffusionReplica"].message
-        assert elapsed < 60, f"took {elapsed:.0f}s to fail"
-    finally:
-        serve.delete("broken")
-
-
-@pytest.mark.slow
-def test_a_start_past_its_deadline_fails_with_the_model_and_the_time(ray_cluster):
-    from ray import serve
-
-    args = {
+    late = {
         "model": {"source": "builtin:tiny-sd", "device": "cpu", "default_height": 128, "default_width": 128,
                   "warmup_steps": 30},
         "replica": {"num_cpus": 0, "max_constructor_retry_count": 1, "init_timeout_s": 0.5},
         "ingress": {"num_cpus": 0},
     }  # fmt: skip
-    with pytest.raises(RuntimeError):
-        serve.run(build_app(args), name="late", route_prefix="/late")
+    t = time.perf_counter()
+    serve.run_many(  # not waited for: its replica starts while the other's does
+        [RunTarget(build_app(late), name="late", route_prefix="/late")],
+        wait_for_ingress_deployment_creation=False,
+        wait_for_applications_running=False,
+    )
     try:
-        message = serve.status().applications["late"].deployments["DiffusionReplica"].message
+        with pytest.raises(RuntimeError) as info:
+            serve.run(build_app(missing), name="broken", route_prefix="/broken")
+        elapsed = time.perf_counter() - t
+        assert "broken" in str(info.value)
+        status = serve.status().applications["broken"]
+        assert status.status == "DEPLOY_FAILED"
+        assert "is not a directory" in status.deployments["DiffusionReplica"].message
+        assert elapsed < 60, f"took {elapsed:.0f}s to fail"
+        late_status = wait_for(
+            lambda: (a := serve.status().applications["late"]).status == "DEPLOY_FAILED" and a, 60
+        )
+        message = late_status.deployments["DiffusionReplica"].message
         assert "'builtin:tiny-sd'" in message and "replica.init_timeout_s=0.5s" in message, message
     finally:
-        serve.delete("late")
+        serve.delete("broken", _blocking=False)
+        serve.delete("late", _blocking=False)
+
+
+@pytest.mark.slow
+def test_the_import_rules_hold_in_fresh_interpreters():
+    """docs/architecture.md's rules, each module imported alone: the engine without Ray, the
+    ingress and the wire schema without the engine or torch, and the app's build (what
+    `serve run` and `serve deploy`'s build task import) without diffusers, which the replica
+    imports when it loads its pipeline (about 6 s saved on every build)."""
+    import subprocess
+    import sys
+
+    forbidden = {
+        "serve_app.engine": ["ray"],
+        "serve_app.ingress": ["serve_app.engine", "torch", "diffusers"],
+        "serve_app.schemas": ["serve_app.engine", "torch", "ray"],
+        "serve_app.app": ["diffusers", "transformers", "peft"],
+    }
+    procs = {
+        module: subprocess.Popen(
+            [sys.executable, "-c", f"import sys, {module}; print(*sorted(sys.modules), sep='\\n')"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )  # fmt: skip
+        for module in forbidden
+    }
+    for module, proc in procs.items():
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, module
+        loaded = set(out.split())
+        assert module in loaded
+        assert not loaded.intersection(forbidden[module]), (module, loaded.intersection(forbidden[module]))

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.own_cluster]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

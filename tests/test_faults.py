@@ -24,7 +24,7 @@ from PIL import Image
 from ray import serve
 
 from serve_app.testing import SLOW_MARKER, fault_token_path
-from tests.conftest import app_args, deploy, wait_for
+from tests.conftest import app_args, deploy, deployed, wait_for
 
 pytestmark = pytest.mark.slow
 GEN = "/v1/images/generations"
@@ -256,21 +256,31 @@ def pixels(png: bytes) -> np.ndarray:
     return np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.int16)
 
 
-def test_overload_gets_429_with_retry_after_and_memory_stays_bounded(app_factory, base_url, client):
-    prefix = app_factory("bp", replica={"max_ongoing_requests": 2, "max_queued_requests": 2})
+@pytest.fixture(scope="module")
+def overload_app(ray_cluster):
+    """One running and one waiting request admitted; the rest refused with the configured
+    Retry-After (7 s, not the default)."""
+    with deployed(
+        "bp", replica={"max_ongoing_requests": 1, "max_queued_requests": 1}, ingress={"retry_after_s": 7}
+    ) as prefix:
+        yield prefix
+
+
+def test_overload_gets_429_with_retry_after_and_memory_stays_bounded(overload_app, base_url, client):
+    prefix = overload_app
     rss0 = status(client, prefix)["replicas"][0]["rss_mb"]
     body = {"prompt": "load", "size": "64x64", "num_inference_steps": 6}
     with httpx.Client(base_url=base_url, timeout=120, limits=httpx.Limits(max_connections=64)) as http:
-        with cf.ThreadPoolExecutor(40) as pool:  # 10x what the app admits (2 running + 2 queued)
+        with cf.ThreadPoolExecutor(40) as pool:  # 20x what the app admits (1 running + 1 queued)
             rs = list(pool.map(lambda i: http.post(f"{prefix}/v1/images/generations", json=body), range(40)))
     codes = sorted(r.status_code for r in rs)
     assert set(codes) <= {200, 429}, codes
-    # At least the two that run are served (the two queued behind them were refused too in one
-    # CI run of 10, on a loaded machine: the burst outlasted the router's queue); most get 429.
-    assert codes.count(429) >= 10 and codes.count(200) >= 2, codes
+    # At least the one that runs is served (the one queued behind it was refused too in one CI
+    # run of 10, on a loaded machine: the burst outlasted the router's queue); most get 429.
+    assert codes.count(429) >= 10 and codes.count(200) >= 1, codes
     for r in rs:
         if r.status_code == 429:
-            assert r.headers["Retry-After"] == "2" and r.json()["error"]["type"] == "overloaded"
+            assert r.headers["Retry-After"] == "7" and r.json()["error"]["type"] == "overloaded"
     # Overload on a stream: an error event with the same body, not a broken connection.
     with httpx.Client(base_url=base_url, timeout=120, limits=httpx.Limits(max_connections=64)) as http:
 
@@ -370,14 +380,11 @@ def test_deadline_gives_504_and_stops_the_work(app_factory, client):
     assert err["type"] == "error" and err["error"]["type"] == "timeout" and events[-1] == "[DONE]"
 
 
-def test_overload_on_the_handle_raises_overloaded(app_factory, client):
+def test_overload_on_the_handle_raises_overloaded(overload_app, client):
     from serve_app.errors import Overloaded
     from serve_app.schemas import GenerationRequest
 
-    app_factory(
-        "bph", replica={"max_ongoing_requests": 1, "max_queued_requests": 1}, ingress={"retry_after_s": 7}
-    )
-    handle = serve.get_app_handle("bph")
+    handle = serve.get_app_handle("bp")
     reqs = [handle.generate.remote(GenerationRequest(prompt="x", width=64, height=64, num_inference_steps=6))
             for _ in range(12)]  # fmt: skip
     outcomes = []

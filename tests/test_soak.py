@@ -10,24 +10,19 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import deployed
+from tests.conftest import USER_KEY
 
 pytestmark = pytest.mark.slow
 
 TOTAL = 400
 CLIENTS = 8
+KEY = {"Authorization": f"Bearer {USER_KEY}"}
 
 
-@pytest.fixture(scope="module")
-def soak_app(ray_cluster):
-    """Its own app with a short batch window (the shared app waits 100 ms to batch test requests)."""
-    with deployed("soak", batching={"batch_wait_ms": 5}) as prefix:
-        yield prefix
-
-
-def test_soak_mixed_traffic_no_unexpected_errors_and_flat_memory(soak_app, client, base_url):
-    base_url = base_url + soak_app
-    client = httpx.Client(base_url=base_url, timeout=60)
+def test_soak_mixed_traffic_no_unexpected_errors_and_flat_memory(keyed_app, base_url):
+    """On the app with keys and a short batch window (conftest's `keyed_app`)."""
+    base_url = base_url + keyed_app
+    client = httpx.Client(base_url=base_url, headers=KEY, timeout=60)
     for side in (8, 16, 24, 32):
         warm = {"prompt": "warm", "size": f"{side}x{side}", "num_inference_steps": 1}
         assert client.post("/v1/images/generations", json=warm).status_code == 200
@@ -40,7 +35,7 @@ def test_soak_mixed_traffic_no_unexpected_errors_and_flat_memory(soak_app, clien
 
     def worker(c: int) -> None:
         rng = random.Random(c)
-        with httpx.Client(base_url=base_url, timeout=60) as http:
+        with httpx.Client(base_url=base_url, headers=KEY, timeout=60) as http:
             for i in todo:
                 kind = rng.choices(["ok", "invalid", "abort"], weights=[88, 6, 6])[0]
                 side = rng.choice([8, 16, 24, 32])
@@ -103,4 +98,4 @@ def test_soak_mixed_traffic_no_unexpected_errors_and_flat_memory(soak_app, clien
 
 
 def http_post(base_url: str, body: dict) -> httpx.Response:
-    return httpx.post(base_url + "/v1/images/generations", json=body, timeout=60)
+    return httpx.post(base_url + "/v1/images/generations", json=body, headers=KEY, timeout=60)

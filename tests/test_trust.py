@@ -15,7 +15,7 @@ from ray import serve
 
 from serve_app.access import ADMIN_CLOSED, AccessPolicy
 from serve_app.testing import FAIL_MARKER, OOM_MARKER
-from tests.conftest import SESSION_DIR, app_args, deploy
+from tests.conftest import SESSION_DIR, app_args, deploy, wait_for
 
 GEN = "/v1/images/generations"
 ADMIN_ROUTES = (
@@ -69,7 +69,9 @@ def test_fifty_hostile_requests_leave_the_replica_serving_with_the_same_id(clien
         assert err["message"] and err["code"] == status
         assert "Traceback" not in r.text and str(SESSION_DIR) not in r.text and "/root" not in r.text
         seen[status] = seen.get(status, 0) + 1
-    time.sleep(5)  # past two health checks (every 2 s in the test app)
+    # Two of Serve's health checks (every 2 s in the test app) pass after them.
+    checks = replica_state(client)["counts"].get("health_checks_passed", 0)
+    wait_for(lambda: replica_state(client)["counts"].get("health_checks_passed", 0) >= checks + 2, 30, 0.2)
     after = replica_state(client)
     assert after["replica_id"] == before["replica_id"] and after["healthy"], after
     assert client.post(GEN, json={"prompt": "still serving"}).status_code == 200

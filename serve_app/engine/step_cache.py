@@ -24,11 +24,12 @@ import typing
 from collections.abc import Iterator
 
 import torch
-from diffusers.hooks import HookRegistry, TaylorSeerCacheConfig, apply_taylorseer_cache
-from diffusers.hooks.hooks import CacheContext
-from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK
 
 from serve_app.config import Acceleration
+
+# diffusers' hooks are imported where they are used: importing them pulls in diffusers, peft,
+# transformers and torch's compiler (about 6 s), which building an app (`serve run`, the
+# controller's build of `serve deploy`) does not need.
 
 LEVELS: tuple[str, ...] = typing.get_args(Acceleration)
 _INTERVAL = {"fast": 2, "faster": 4}
@@ -82,6 +83,8 @@ class StepCache:
                 for hook in self._hooks:
                     hook.disable_cache_after_step = int(steps) - 1  # the last step runs in full
             self._sized = True
+        from diffusers.hooks.hooks import CacheContext
+
         context = CacheContext(f"call{self._call}")
         for hook in self._hooks:  # over the context a pipeline may have set for this call
             hook.state_manager.set_context(context)
@@ -112,6 +115,9 @@ def step_cache(
         return
     if level not in _INTERVAL:
         raise ValueError(f"unknown acceleration level {level!r}; allowed: {', '.join(LEVELS)}")
+    from diffusers.hooks import HookRegistry, TaylorSeerCacheConfig, apply_taylorseer_cache
+    from diffusers.hooks.taylorseer_cache import _TAYLORSEER_CACHE_HOOK
+
     config = TaylorSeerCacheConfig(
         cache_interval=_INTERVAL[level],
         disable_cache_before_step=_warm(steps),

@@ -587,6 +587,7 @@ class DiffusionReplica:
         problem = self.health.problem(self._loop_task)
         if problem:
             raise Unavailable(problem)
+        self._counts["health_checks_passed"] += 1
 
     def __del__(self):
         for pool in (getattr(self, "_engine_thread", None), getattr(self, "_cpu_pool", None)):
