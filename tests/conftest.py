@@ -195,7 +195,7 @@ def _start_early(request):
 
 @pytest.fixture(scope="session")
 def app(ray_cluster):
-    """The shared app, running; yields its base URL."""
+    """The shared app, running; its base URL."""
     from ray import serve
 
     _deploy_shared_app()
@@ -228,7 +228,7 @@ def keyed_app(request, ray_cluster):
     """An app that needs API keys, with a short batch window (the shared app waits 100 ms to
     batch test requests): test_auth checks its keys, test_soak sends it mixed traffic. One app
     for both, since every app started costs about 10 s; deleted after the last test that uses
-    it. Yields its route prefix."""
+    it. Its route prefix."""
     from ray import serve
 
     name = "keyed"

@@ -1,8 +1,8 @@
 """Faults and scale on a real Serve cluster: health, replica death, backpressure, autoscaling, drain.
 
 Each test deploys its own small app beside the shared one (own name and route prefix) and
-deletes it when done. The figures they print (retries, recovery time, scale-up time) are the
-ones the closing notes report.
+deletes it when done; the two overload tests share one. The figures they print (retries,
+recovery time, scale-up time) are the ones the closing notes report.
 """
 
 from __future__ import annotations
