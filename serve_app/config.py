@@ -218,8 +218,8 @@ class ReplicaConfig(_Strict):
 class BatchingConfig(_Strict):
     """How a replica gathers queued requests into one pipeline call.
 
-    Sent to the replicas as Serve's `user_config`: changing it in the config and redeploying
-    reconfigures live replicas without restarting them.
+    Sent to the replicas as Serve's `user_config`, which `reconfigure` applies on a live replica.
+    (A changed `args:` block in a Serve config is a new app version: Serve restarts every replica.)
     """
 
     max_batch_images: int = Field(8, ge=1, description="Upper bound on images in one pipeline call.")

@@ -119,8 +119,34 @@ def test_serve_deploy_then_status_then_shutdown(cli_cluster):
     assert (seen.colour, seen.background) == ("red", "blue"), seen
     status = _serve(cli, "status", "-a", cli["dash"])
     assert status.returncode == 0 and "RUNNING" in status.stdout, status.stdout + status.stderr
+    scale_without_reloading(cli)
     r = _serve(cli, "shutdown", "-y", "-a", cli["dash"])
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def scale_without_reloading(cli) -> None:
+    """The README's way to change the replica count and the batching of a running app: the
+    config's `deployments:` section, its `args:` unchanged. The replica that served keeps
+    serving (its model is not loaded again) and takes the new batching; a second one starts."""
+
+    def replicas():
+        return httpx.get(cli["url"] + "/v1/status", timeout=30).json()["replicas"]
+
+    first = replicas()[0]["replica_id"]
+    cfg = yaml.safe_load(cli["config"].read_text())
+    batching = {**cfg["applications"][0]["args"]["batching"], "batch_wait_ms": 20}
+    cfg["applications"][0]["deployments"] = [
+        {"name": "DiffusionReplica", "num_replicas": 2, "user_config": batching}
+    ]
+    scaled = cli["config"].with_name("scaled.yaml")
+    scaled.write_text(yaml.safe_dump(cfg))
+    r = _serve(cli, "deploy", str(scaled), "-a", cli["dash"])
+    assert r.returncode == 0, r.stdout + r.stderr
+    end = time.monotonic() + 180
+    while len(now := replicas()) < 2 and time.monotonic() < end:
+        time.sleep(1)
+    assert len(now) == 2 and first in {x["replica_id"] for x in now}, (first, now)
+    assert all(x["batching"]["batch_wait_ms"] == 20 for x in now), now
 
 
 def test_serve_run(cli_cluster):
