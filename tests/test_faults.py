@@ -1,8 +1,8 @@
 """Faults and scale on a real Serve cluster: health, replica death, backpressure, autoscaling, drain.
 
 Each test deploys its own small app beside the shared one (own name and route prefix) and
-deletes it when done; the overload and deadline tests share one with tight limits. The
-figures they print (retries, recovery time, scale-up time) are the ones the closing notes report.
+deletes it when done; the two overload tests share one. The figures they print (retries,
+recovery time, scale-up time) are the ones the closing notes report.
 """
 
 from __future__ import annotations
@@ -257,20 +257,17 @@ def pixels(png: bytes) -> np.ndarray:
 
 
 @pytest.fixture(scope="module")
-def limited_app(ray_cluster):
+def overload_app(ray_cluster):
     """One running and one waiting request admitted; the rest refused with the configured
-    Retry-After (7 s, not the default); a request's deadline 1.5 s (the requests of the
-    overload tests take a fraction of that, the deadline test's many times more)."""
+    Retry-After (7 s, not the default)."""
     with deployed(
-        "limited",
-        replica={"max_ongoing_requests": 1, "max_queued_requests": 1},
-        ingress={"retry_after_s": 7, "request_timeout_s": 1.5},
+        "bp", replica={"max_ongoing_requests": 1, "max_queued_requests": 1}, ingress={"retry_after_s": 7}
     ) as prefix:
         yield prefix
 
 
-def test_overload_gets_429_with_retry_after_and_memory_stays_bounded(limited_app, base_url, client):
-    prefix = limited_app
+def test_overload_gets_429_with_retry_after_and_memory_stays_bounded(overload_app, base_url, client):
+    prefix = overload_app
     rss0 = status(client, prefix)["replicas"][0]["rss_mb"]
     body = {"prompt": "load", "size": "64x64", "num_inference_steps": 6}
     with httpx.Client(base_url=base_url, timeout=120, limits=httpx.Limits(max_connections=64)) as http:
@@ -359,8 +356,8 @@ def test_redeploy_lets_accepted_requests_finish(app_factory, base_url, client):
     assert status(client, prefix)["replicas"][0]["replica_id"] != before
 
 
-def test_deadline_gives_504_and_stops_the_work(limited_app, client):
-    prefix = limited_app
+def test_deadline_gives_504_and_stops_the_work(app_factory, client):
+    prefix = app_factory("deadline", ingress={"request_timeout_s": 1.5})
     t = time.monotonic()
     body = {"prompt": "slow", "size": "128x128", "num_inference_steps": 40, "request_id": "late"}
     r = client.post(f"{prefix}/v1/images/generations", json=body)
@@ -383,11 +380,11 @@ def test_deadline_gives_504_and_stops_the_work(limited_app, client):
     assert err["type"] == "error" and err["error"]["type"] == "timeout" and events[-1] == "[DONE]"
 
 
-def test_overload_on_the_handle_raises_overloaded(limited_app, client):
+def test_overload_on_the_handle_raises_overloaded(overload_app, client):
     from serve_app.errors import Overloaded
     from serve_app.schemas import GenerationRequest
 
-    handle = serve.get_app_handle("limited")
+    handle = serve.get_app_handle("bp")
     reqs = [handle.generate.remote(GenerationRequest(prompt="x", width=64, height=64, num_inference_steps=6))
             for _ in range(12)]  # fmt: skip
     outcomes = []
