@@ -24,7 +24,7 @@ import yaml
 from PIL import Image
 
 from serve_app.shapes import read_image
-from tests.conftest import free_port
+from tests.conftest import free_port, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.own_cluster]
 
@@ -142,10 +142,8 @@ def scale_without_reloading(cli) -> None:
     scaled.write_text(yaml.safe_dump(cfg))
     r = _serve(cli, "deploy", str(scaled), "-a", cli["dash"])
     assert r.returncode == 0, r.stdout + r.stderr
-    end = time.monotonic() + 180
-    while len(now := replicas()) < 2 and time.monotonic() < end:
-        time.sleep(1)
-    assert len(now) == 2 and first in {x["replica_id"] for x in now}, (first, now)
+    now = wait_for(lambda: got if len(got := replicas()) == 2 else None, 180, 1)
+    assert first in {x["replica_id"] for x in now}, (first, now)
     assert all(x["batching"]["batch_wait_ms"] == 20 for x in now), now
 
 
