@@ -7,9 +7,10 @@
 
 Stages, each printing its loss: the VAE (64x64 RGB <-> 4x32x32 latents), the UNet with the text
 encoder (v-prediction, zero-terminal-SNR schedule, the EMA of the weights is kept), a second
-learning-rate cycle on fresh scenes, and a LoRA on the text encoder that makes the prompt's
-object green. Data, noise and order all come from `--seed`; with the same seed and `--threads`
-a run writes the same bytes.
+learning-rate cycle on fresh scenes, two shorter cycles aimed at the shape (the second on more
+of the shapes drawn worst), and a LoRA on the text encoder that makes the prompt's object green.
+Data, noise and order all come from `--seed`; with the same seed and `--threads` a run writes
+the same bytes.
 """
 
 from __future__ import annotations
@@ -157,11 +158,16 @@ def build_pipeline(seed: int):
 # ---------------------------------------------------------------------------- the data
 
 
-def _prompt(scene: shapes.Scene, rng: np.random.Generator) -> str:
-    """The scene's prompt with parts left out at random, so short prompts leave choices open."""
+def _prompt(scene: shapes.Scene, rng: np.random.Generator, name_small: bool = False) -> str:
+    """The scene's prompt with parts left out at random, so short prompts leave choices open.
+    `name_small`: a small object's prompt always says so (a prompt without a size then means
+    a large object)."""
     if rng.random() < 0.1:
         return ""  # the unconditional prompt of classifier-free guidance
-    return scene.prompt(**_parts(rng))
+    parts = _parts(rng)
+    if name_small and scene.size == "small":
+        parts["size"] = True
+    return scene.prompt(**parts)
 
 
 def _parts(rng: np.random.Generator) -> dict[str, bool]:
@@ -169,10 +175,16 @@ def _parts(rng: np.random.Generator) -> dict[str, bool]:
     return {"background": rng.random() > 0.2, "position": rng.random() > 0.2, "size": rng.random() > 0.5}
 
 
-def make_scenes(n: int, rng: np.random.Generator) -> tuple[list[shapes.Scene], torch.Tensor]:
+def make_scenes(n: int, rng: np.random.Generator, keep: dict[str, float] | None = None
+                ) -> tuple[list[shapes.Scene], torch.Tensor]:  # fmt: skip
     """`n` training scenes (held-out colour-shape pairs never among them) and their images in
-    [-1, 1], (n, 3, 64, 64)."""
-    scenes = [shapes.random_scene(rng) for _ in range(n)]
+    [-1, 1], (n, 3, 64, 64). `keep`: the share of the grammar's scenes of each shape that are
+    kept (default 1), to draw some shapes more often."""
+    scenes = []
+    while len(scenes) < n:
+        scene = shapes.random_scene(rng)
+        if keep is None or rng.random() < keep.get(scene.shape, 1.0):
+            scenes.append(scene)
     pixels = np.stack([shapes.render(s) for s in scenes])
     return scenes, torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 127.5 - 1
 
@@ -291,10 +303,12 @@ def encode_latents(pipe, images: torch.Tensor) -> torch.Tensor:
 
 def train_text_to_image(pipe, latents: torch.Tensor, scenes: list[shapes.Scene], steps: int, batch: int,
                         rng: np.random.Generator, lr: float, weights: torch.Tensor | None = None,
-                        noisy: tuple[int, int, float] | None = None) -> None:  # fmt: skip
+                        noisy: tuple[int, int, float] | None = None, name_small: bool = False
+                        ) -> None:  # fmt: skip
     """The UNet and the text encoder together, v-prediction on (latent, prompt) pairs; the EMA
     of their weights is what stays. `weights`: a loss weight per latent pixel (one map per
-    latent); `noisy` (low, high, share): that share of the timesteps drawn from [low, high)."""
+    latent); `noisy` (low, high, share): that share of the timesteps drawn from [low, high);
+    `name_small`: see `_prompt`."""
     modules = [pipe.unet, pipe.text_encoder]
     for m in modules:
         m.requires_grad_(True).train()
@@ -314,7 +328,7 @@ def train_text_to_image(pipe, latents: torch.Tensor, scenes: list[shapes.Scene],
         idx = rng.integers(len(latents), size=batch)
         rows = torch.from_numpy(idx)
         x0 = latents[rows]
-        cond = _encode_prompts(pipe, [_prompt(scenes[i], rng) for i in idx])
+        cond = _encode_prompts(pipe, [_prompt(scenes[i], rng, name_small) for i in idx])
         noise = torch.randn(x0.shape, generator=gen)
         t = torch.randint(0, sch.config.num_train_timesteps, (batch,), generator=gen)
         if noisy is not None:
@@ -439,9 +453,10 @@ def train(args) -> None:
 
 
 def later_stages(args, first: str) -> None:
-    """The stages that start from saved weights, from `first` ("refine", "shape" or "lora") on,
-    each unless its step count is 0."""
+    """The stages that start from saved weights, from `first` ("refine", "shape", "balance" or
+    "lora") on, each unless its step count is 0."""
     stages = {"refine": (args.refine_steps, refine), "shape": (args.shape_steps, sharpen_shapes),
+              "balance": (args.balance_steps, balance_shapes),
               "lora": (args.lora_steps, lora_only)}  # fmt: skip
     for name in list(stages)[list(stages).index(first) :]:
         steps, run = stages[name]
@@ -462,20 +477,38 @@ def sharpen_shapes(args) -> None:
     _cycle(args, 2, args.shape_steps, args.lr / 4, "sharpened", aim_at_shape=True)
 
 
-def _cycle(args, offset: int, steps: int, lr: float, done: str, aim_at_shape: bool = False) -> None:
+# How often the balancing cycle keeps each shape of the grammar's scenes: the shapes the model
+# drew worst after the shape cycle most ("a yellow <shape> on a black background", 10 seeds:
+# circle 8, triangle 8, square 1, star 2).
+BALANCE = {"star": 1.0, "square": 0.8, "triangle": 0.6, "circle": 0.6}
+
+
+def balance_shapes(args) -> None:
+    """A fourth cycle like the shape cycle (fresh scenes seeded `seed + 3`, a quarter of the
+    learning rate, the same loss weights and timesteps) on scenes that hold more of the shapes
+    the model drew worst (`BALANCE`), and whose prompts name every small object's size, so that
+    a prompt without a size asks for a large one (small stars, 18 pixels across, came out as
+    blobs; large ones the model can draw)."""
+    _cycle(
+        args, 3, args.balance_steps, args.lr / 4, "balanced", aim_at_shape=True, keep=BALANCE, name_small=True
+    )
+
+
+def _cycle(args, offset: int, steps: int, lr: float, done: str, aim_at_shape: bool = False,
+           keep: dict[str, float] | None = None, name_small: bool = False) -> None:  # fmt: skip
     """One more learning-rate cycle on the saved pipeline, on fresh scenes seeded `seed + offset`."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed + offset)
     rng = np.random.default_rng(args.seed + offset)
     t0 = time.monotonic()
     pipe = load_shapes(Path(args.out) / "shapes")
-    scenes, images = make_scenes(args.scenes, rng)
+    scenes, images = make_scenes(args.scenes, rng, keep)
     latents = encode_latents(pipe, images)
     aim = {}
     if aim_at_shape:
         weights = F.avg_pool2d(_object_weight(images, extra=3.0), images.shape[-1] // latents.shape[-1])
         aim = {"weights": weights, "noisy": (450, 950, 0.6)}
-    train_text_to_image(pipe, latents, scenes, steps, args.batch, rng, lr=lr, **aim)
+    train_text_to_image(pipe, latents, scenes, steps, args.batch, rng, lr=lr, name_small=name_small, **aim)
     save_pipeline(pipe, Path(args.out) / "shapes")
     print(f"{done} {Path(args.out) / 'shapes'} ({time.monotonic() - t0:.0f} s)", flush=True)
 
@@ -559,13 +592,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--unet-steps", type=int, default=1500)
     ap.add_argument("--refine-steps", type=int, default=1900)
     ap.add_argument("--shape-steps", type=int, default=700)
+    ap.add_argument("--balance-steps", type=int, default=900)
     ap.add_argument("--lora-steps", type=int, default=400)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument(
-        "--refine-only", action="store_true", help="the refining and shape cycles (then the adapter) only"
-    )
-    ap.add_argument("--shape-only", action="store_true", help="the shape cycle (then the adapter) only")
+    ap.add_argument("--refine-only", action="store_true", help="the stages after the first cycle only")
+    ap.add_argument("--shape-only", action="store_true", help="the shape and balancing cycles, the adapter")
+    ap.add_argument("--balance-only", action="store_true", help="the balancing cycle (then the adapter) only")
     ap.add_argument("--lora-only", action="store_true")
     ap.add_argument("--evaluate", action="store_true", help="read the saved model's images with the checker")
     ap.add_argument("--guidance", type=float, default=4.0, help="of --evaluate and --sheet")
@@ -589,6 +622,8 @@ def main(argv: list[str] | None = None) -> None:
         later_stages(args, "refine")
     elif args.shape_only:
         later_stages(args, "shape")
+    elif args.balance_only:
+        later_stages(args, "balance")
     elif args.lora_only:
         lora_only(args)
     else:

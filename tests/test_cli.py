@@ -30,6 +30,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.own_cluster]
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
+# The README's first request (seed 1) and the playground's default prompt.
+FIRST_PROMPT = "a yellow star on a black background"
 
 
 def _wait_for_image(url: str, deadline_s: float, prompt: str = "cli", steps: int | None = 2) -> dict:
@@ -112,11 +114,11 @@ def test_serve_deploy_then_status_then_shutdown(cli_cluster):
     cli = cli_cluster
     r = _serve(cli, "deploy", str(cli["config"]), "-a", cli["dash"])
     assert r.returncode == 0, r.stdout + r.stderr
-    # The README's first image: the shipped config's defaults draw the colours the prompt asks for.
-    body = _wait_for_image(cli["url"], 180, prompt="a red circle on a blue background", steps=None)
+    # The README's first image: with the shipped config's defaults, the star the prompt asks for.
+    body = _wait_for_image(cli["url"], 180, prompt=FIRST_PROMPT, steps=None)
     assert body["model"] == "shapes" and len(body["data"]) == 1
     seen = read_image(Image.open(io.BytesIO(base64.b64decode(body["data"][0]["b64_json"]))))
-    assert (seen.colour, seen.background) == ("red", "blue"), seen
+    assert (seen.colour, seen.shape, seen.background) == ("yellow", "star", "black"), seen
     status = _serve(cli, "status", "-a", cli["dash"])
     assert status.returncode == 0 and "RUNNING" in status.stdout, status.stdout + status.stderr
     scale_without_reloading(cli)
@@ -162,3 +164,11 @@ def test_serve_run(cli_cluster):
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_the_readme_and_the_playground_start_with_the_first_prompt():
+    """The prompt the deploy test reads back is the one a new user's first request sends."""
+    readme = (ROOT / "README.md").read_text()
+    assert f'{{"prompt": "{FIRST_PROMPT}", "size": "64x64", "seed": 1}}' in readme
+    page = (ROOT / "serve_app" / "playground.html").read_text()
+    assert f'<textarea id="prompt" required>{FIRST_PROMPT}</textarea>' in page

@@ -62,6 +62,14 @@ def test_a_triangle_is_drawn_as_one_in_at_least_7_of_10_seeds(engine):
     assert sum(r.shape == "triangle" for r in got) >= 7, got
 
 
+def test_a_yellow_star_on_black_is_drawn_as_one_in_at_least_8_of_10_seeds(engine):
+    """The first prompt of the README and the playground: the weights before the balancing
+    cycle (train_tiny's `balance_shapes`) drew 2 of 10 (docs/shapes-model.md)."""
+    got = readings(engine, "a yellow star on a black background")
+    hits = [(r.colour, r.shape, r.background) == ("yellow", "star", "black") for r in got]
+    assert sum(hits) >= 8, got
+
+
 def test_the_vae_keeps_every_shape_readable(engine):
     """The UNet draws in the VAE's latents, so what a round trip through the VAE blurs away no
     prompt can bring back: on its reconstructions of 200 fresh scenes the checker must still
@@ -153,11 +161,12 @@ def test_inpainting_paints_the_prompt_inside_the_mask_and_keeps_the_rest(engine)
 
 
 def test_a_step_cache_keeps_what_the_image_shows(engine):
-    """Prompts the model draws cleanly at this seed: where the uncached image is itself a faint,
-    broken object ("a green triangle on a black background"), its reading says nothing of the
-    cache's effect."""
-    prompts = ["a red circle on a white background", "a blue square on a yellow background",
-               "a yellow circle on a blue background"]  # fmt: skip
+    """Prompts that name their place, so that the object lies inside one cell of the checker's
+    grid: an object across a cell's edge (at this seed, the large blue square the model drew for
+    "a blue square on a yellow background") changes its place reading when it moves by a pixel,
+    which says nothing of the cache's effect."""
+    prompts = ["a red circle on a white background, top left", "a blue square on a yellow background, center",
+               "a yellow circle on a blue background, bottom right"]  # fmt: skip
     full = engine.run([Row(p, None, 3) for p in prompts], params())
     for level in ("fast", "faster"):
         cached = engine.run([Row(p, None, 3) for p in prompts], params(acceleration=level))
@@ -177,7 +186,8 @@ def test_training_is_repeatable_bit_for_bit(tmp_path):
     from serve_app import train_tiny
 
     def run(out: Path) -> dict[str, str]:
-        stages = ("--vae-steps", "--unet-steps", "--refine-steps", "--shape-steps", "--lora-steps")
+        stages = ("--vae-steps", "--unet-steps", "--refine-steps", "--shape-steps", "--balance-steps")
+        stages += ("--lora-steps",)
         steps = [arg for stage in stages for arg in (stage, "2")]
         train_tiny.main(["--out", str(out), "--scenes", "64", "--batch", "4", "--threads", "1", *steps])
         return {

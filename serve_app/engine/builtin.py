@@ -2,7 +2,8 @@
 
 * `shapes`: a tiny Stable Diffusion pipeline the project trained on scenes it drew itself
   (`serve_app/train_tiny.py`, docs/shapes-model.md), loaded from the package; it draws the
-  colour, background and place a prompt asks for, circles and triangles (squares and stars now and then);
+  colour, background and place a prompt asks for, circles, triangles and large stars (squares
+  half the time);
   the default model of `serve_config.yaml`.
 * The others have seeded random weights. `tiny-sd`: a Stable-Diffusion-shaped pipeline small
   enough to build in well under a second and run on a CPU; the shared test app's model, so
