@@ -618,12 +618,10 @@ def main(argv: list[str] | None = None) -> None:
             tiny.set_progress_bar_config(disable=True)
             mine, theirs = step_time(pipe, tiny)
             print(f"step time at 64x64: shapes {mine * 1e3:.1f} ms, tiny-sd {theirs * 1e3:.1f} ms")
-    elif args.refine_only:
-        later_stages(args, "refine")
-    elif args.shape_only:
-        later_stages(args, "shape")
-    elif args.balance_only:
-        later_stages(args, "balance")
+    elif first := next(
+        (stage for stage in ("refine", "shape", "balance") if getattr(args, f"{stage}_only")), None
+    ):
+        later_stages(args, first)
     elif args.lora_only:
         lora_only(args)
     else:
