@@ -449,18 +449,17 @@ def train(args) -> None:
     train_text_to_image(pipe, latents, scenes, args.unet_steps, args.batch, rng, lr=args.lr)
     save_pipeline(pipe, out / "shapes")
     print(f"wrote {out / 'shapes'} ({time.monotonic() - t0:.0f} s)", flush=True)
-    later_stages(args, "shape")
+    later_stages(args)
     print(f"done in {time.monotonic() - t0:.0f} s", flush=True)
 
 
-def later_stages(args, first: str) -> None:
-    """The stages that start from saved weights, from `first` ("shape" or "lora") on, each unless
+def later_stages(args) -> None:
+    """The stages that start from saved weights, the shape cycle then the adapter, each unless
     its step count is 0."""
-    stages = {"shape": (args.shape_steps, sharpen_shapes), "lora": (args.lora_steps, lora_only)}
-    for name in list(stages)[list(stages).index(first) :]:
-        steps, run = stages[name]
-        if steps:
-            run(args)
+    if args.shape_steps:
+        sharpen_shapes(args)
+    if args.lora_steps:
+        lora_only(args)
 
 
 # How often the shape cycle keeps each shape of the grammar's scenes: the shapes the first cycle
@@ -594,7 +593,7 @@ def main(argv: list[str] | None = None) -> None:
             mine, theirs = step_time(pipe, tiny)
             print(f"step time at 64x64: shapes {mine * 1e3:.1f} ms, tiny-sd {theirs * 1e3:.1f} ms")
     elif args.shape_only:
-        later_stages(args, "shape")
+        later_stages(args)
     elif args.lora_only:
         lora_only(args)
     else:
