@@ -15,6 +15,7 @@ import socket
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -143,14 +144,69 @@ def pytest_collection_modifyitems(items):
         spec = getattr(item, "callspec", None)
         if spec is not None and spec.params.get("name") in OTHER_FAMILIES:
             item.add_marker(pytest.mark.slow)
-    # Modules that run in this process alone go first (file order is kept within each group):
-    # while they run, the session's cluster and shared app start (`_start_early`).
-    on_cluster = {
-        item.module.__name__
-        for item in items
-        if "ray_cluster" in item.fixturenames or item.get_closest_marker("own_cluster")
-    }
-    items.sort(key=lambda item: item.module.__name__ in on_cluster)
+    # Three groups, file order kept within each: the modules that run in this process alone go
+    # first, and while they run the session's cluster and shared app start (`_start_early`);
+    # then the modules on that cluster; then the tests of the scenarios with clusters of their
+    # own, which have run beside the others (`background_report`).
+    on_cluster = {item.module.__name__ for item in items if "ray_cluster" in item.fixturenames}
+
+    def group(item) -> int:
+        if item.get_closest_marker("own_cluster"):
+            return 2
+        return item.module.__name__ in on_cluster
+
+    items.sort(key=group)
+
+
+# Scenarios that start Ray clusters of their own (the CLI's, several nodes, direct ingress): the
+# two cores were a third idle under the tests on the session's cluster, which wait on timers,
+# leases and replicas starting. Each scenario module's `background()` runs in one thread from
+# the first of those tests on, one scenario after another, and its tests, sorted last, read what
+# it reported. (Started with the session instead, they slowed the in-process tests, which keep
+# both cores busy: the suite took 615 s against 558-565 s.)
+_background_pool = ThreadPoolExecutor(1, thread_name_prefix="scenario")
+_background: dict[str, Future] = {}
+_background_started = False
+
+
+def _start_background(items) -> None:
+    for item in items:
+        scenario = getattr(item.module, "background", None)
+        if scenario is not None and item.module.__name__ not in _background:
+            _background[item.module.__name__] = _background_pool.submit(scenario)
+
+
+def pytest_runtest_setup(item):
+    global _background_started
+    if not _background_started and (
+        "ray_cluster" in item.fixturenames or item.get_closest_marker("own_cluster")
+    ):
+        _background_started = True
+        _start_background(item.session.items)
+
+
+@pytest.fixture
+def background_report(request):
+    """What this module's `background()` returned (it raised: the same error here)."""
+    _start_background([request.node])
+    return _background[request.module.__name__].result(timeout=900)
+
+
+def child_scenario(script: str, timeout: float) -> dict:
+    """Run `script` (a test module whose `__main__` writes its scenario's report as JSON to the
+    file named by its argument) in a child process; the report."""
+    import json
+    import subprocess
+    import sys
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "report.json"
+        proc = subprocess.run(
+            [sys.executable, script, str(out)], cwd=Path(__file__).parent.parent,
+            capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+        assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+        return json.loads(out.read_text())
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,9 @@
 """The README's way in: `serve deploy` and `serve run` of serve_config.yaml against `ray start --head`.
 
 A second Ray cluster, started by the CLI with its own ports beside the session's, so that
-the deployment goes through exactly the path a user takes.
+the deployment goes through exactly the path a user takes. The scenario runs in a thread beside
+the session's other tests (`background_report`, tests/conftest.py); each test raises what stopped
+its part.
 """
 
 from __future__ import annotations
@@ -50,8 +52,8 @@ def _wait_for_image(url: str, deadline_s: float, prompt: str = "cli", steps: int
     raise AssertionError(f"no image from {url} within {deadline_s}s: {last}")
 
 
-@pytest.fixture(scope="module")
-def cli_cluster(tmp_path_factory):
+@contextlib.contextmanager
+def cli_cluster():
     ports = {
         k: free_port() for k in ("gcs", "dash", "agent", "agent_grpc", "metrics", "client", "env", "http")
     }
@@ -70,7 +72,7 @@ def cli_cluster(tmp_path_factory):
             f"--runtime-env-agent-port={ports['env']}",
             f"--temp-dir={temp_dir}",
         ],
-        env=env, cwd=tmp_path_factory.mktemp("head"), stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
+        env=env, cwd=temp_dir, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
         start_new_session=True,
     )  # fmt: skip
     dash = f"http://127.0.0.1:{ports['dash']}"
@@ -82,26 +84,42 @@ def cli_cluster(tmp_path_factory):
         except httpx.HTTPError:
             time.sleep(1)
     else:
-        head.kill()
-        pytest.fail("ray start --head did not bring up its dashboard within 90 s")
+        os.killpg(head.pid, signal.SIGKILL)
+        raise AssertionError("ray start --head did not bring up its dashboard within 90 s")
 
     cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
     cfg["http_options"] = {"host": "127.0.0.1", "port": ports["http"]}
-    config_file = tmp_path_factory.mktemp("cfg") / "serve_config.yaml"
+    config_file = Path(temp_dir) / "serve_config.yaml"
     config_file.write_text(yaml.safe_dump(cfg))
-    yield {"env": env, "dash": dash, "gcs": f"127.0.0.1:{ports['gcs']}", "config": config_file,
-           "url": f"http://127.0.0.1:{ports['http']}"}  # fmt: skip
-    # `ray start --block` takes half a minute to stop its processes one by one on SIGTERM; the
-    # cluster lives in its own session and temp dir, so killing the whole group is enough.
-    os.killpg(head.pid, signal.SIGTERM)
     try:
-        head.wait(3)
-    except subprocess.TimeoutExpired:
-        pass
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(head.pid, signal.SIGKILL)
-    head.wait(30)
-    shutil.rmtree(temp_dir, ignore_errors=True)
+        yield {"env": env, "dash": dash, "gcs": f"127.0.0.1:{ports['gcs']}", "config": config_file,
+               "url": f"http://127.0.0.1:{ports['http']}"}  # fmt: skip
+    finally:
+        # `ray start --block` takes half a minute to stop its processes one by one on SIGTERM;
+        # the cluster lives in its own session and temp dir, so killing the whole group is enough.
+        os.killpg(head.pid, signal.SIGTERM)
+        try:
+            head.wait(3)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(head.pid, signal.SIGKILL)
+        head.wait(30)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def background() -> dict:
+    """The CLI's cluster, `serve deploy` on it and then `serve run`: for each, None or the error
+    that stopped it (its test raises it)."""
+    report = {}
+    with cli_cluster() as cli:
+        for part, run in (("deploy", deploy_then_status_then_shutdown), ("run", serve_run)):
+            try:
+                run(cli)
+                report[part] = None
+            except Exception as e:
+                report[part] = e
+    return report
 
 
 def _serve(cli, *args, timeout=180):
@@ -110,8 +128,7 @@ def _serve(cli, *args, timeout=180):
     )
 
 
-def test_serve_deploy_then_status_then_shutdown(cli_cluster):
-    cli = cli_cluster
+def deploy_then_status_then_shutdown(cli) -> None:
     r = _serve(cli, "deploy", str(cli["config"]), "-a", cli["dash"])
     assert r.returncode == 0, r.stdout + r.stderr
     # The README's first image: with the shipped config's defaults, the star the prompt asks for.
@@ -149,8 +166,7 @@ def scale_without_reloading(cli) -> None:
     assert all(x["batching"]["batch_wait_ms"] == 20 for x in now), now
 
 
-def test_serve_run(cli_cluster):
-    cli = cli_cluster
+def serve_run(cli) -> None:
     proc = subprocess.Popen(
         [str(BIN / "serve"), "run", "--address", cli["gcs"], str(cli["config"])],
         env=cli["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -164,6 +180,16 @@ def test_serve_run(cli_cluster):
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_serve_deploy_then_status_then_shutdown(background_report):
+    if background_report["deploy"] is not None:
+        raise background_report["deploy"]
+
+
+def test_serve_run(background_report):
+    if background_report["run"] is not None:
+        raise background_report["run"]
 
 
 def test_the_readme_and_the_playground_start_with_the_first_prompt():

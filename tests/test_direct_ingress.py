@@ -1,12 +1,12 @@
 """The app under Ray Serve's direct ingress (`RAY_SERVE_ENABLE_DIRECT_INGRESS=1`): no proxy, the
 ingress replica serves HTTP itself. Ray reads the flag when its processes start, so the scenario
-runs in a child process with a Ray instance of its own and reports as JSON."""
+runs in a child process with a Ray instance of its own and reports as JSON, beside the session's
+other tests (`background_report`, tests/conftest.py)."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -54,13 +54,14 @@ def scenario() -> dict:
         ray.shutdown()
 
 
-def test_the_app_serves_without_a_proxy_under_direct_ingress(tmp_path):
-    out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [sys.executable, __file__, str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
-    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads(out.read_text())
+def background() -> dict:
+    from tests.conftest import child_scenario  # here: run as a script, this file has no `tests`
+
+    return child_scenario(__file__, timeout=300)
+
+
+def test_the_app_serves_without_a_proxy_under_direct_ingress(background_report):
+    res = background_report
     assert res["image"] == [200, 1], res
     assert res["bad"] == [400, "num_inference_steps"], res
     assert res["events"][0] >= 3 and res["events"][1] == "data: [DONE]", res  # steps, result, end

@@ -2,14 +2,14 @@
 
 A test session's driver is attached to the session's single-node cluster, so the scenario runs
 in a child process with its own `ray.cluster_utils.Cluster` (three raylets on this machine: a
-head that holds the ingress, two workers that hold one replica each) and reports as JSON.
+head that holds the ingress, two workers that hold one replica each) and reports as JSON, beside
+the session's other tests (`background_report`, tests/conftest.py).
 """
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -113,17 +113,14 @@ def scenario() -> dict:
     }
 
 
-def test_replicas_spread_and_survive_node_loss(tmp_path):
-    out = tmp_path / "result.json"
-    proc = subprocess.run(
-        [sys.executable, __file__, str(out)],
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    res = json.loads(out.read_text())
+def background() -> dict:
+    from tests.conftest import child_scenario  # here: run as a script, this file has no `tests`
+
+    return child_scenario(__file__, timeout=600)
+
+
+def test_replicas_spread_and_survive_node_loss(background_report):
+    res = background_report
     codes = res["codes"]
     ok = codes.count(200)
     print(f"\nmulti-node: replicas on {len(set(res['nodes_before']))} nodes; node lost, replicas back on "
