@@ -185,6 +185,11 @@ def pytest_runtest_setup(item):
         _start_background(item.session.items)
 
 
+def pytest_sessionfinish(session):
+    # Interrupted: the scenarios not started yet are dropped; the running one ends and cleans up.
+    _background_pool.shutdown(wait=True, cancel_futures=True)
+
+
 @pytest.fixture
 def background_report(request):
     """What this module's `background()` returned (it raised: the same error here)."""
