@@ -76,28 +76,27 @@ def cli_cluster():
         start_new_session=True,
     )  # fmt: skip
     dash = f"http://127.0.0.1:{ports['dash']}"
-    end = time.monotonic() + 90
-    while time.monotonic() < end:
-        try:
-            if httpx.get(dash + "/api/version", timeout=2).status_code in (200, 401):
-                break
-        except httpx.HTTPError:
-            time.sleep(1)
-    else:
-        os.killpg(head.pid, signal.SIGKILL)
-        raise AssertionError("ray start --head did not bring up its dashboard within 90 s")
-
-    cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
-    cfg["http_options"] = {"host": "127.0.0.1", "port": ports["http"]}
-    config_file = Path(temp_dir) / "serve_config.yaml"
-    config_file.write_text(yaml.safe_dump(cfg))
     try:
+        end = time.monotonic() + 90
+        while time.monotonic() < end:
+            try:
+                if httpx.get(dash + "/api/version", timeout=2).status_code in (200, 401):
+                    break
+            except httpx.HTTPError:
+                time.sleep(1)
+        else:
+            raise AssertionError("ray start --head did not bring up its dashboard within 90 s")
+        cfg = yaml.safe_load((ROOT / "serve_config.yaml").read_text())
+        cfg["http_options"] = {"host": "127.0.0.1", "port": ports["http"]}
+        config_file = Path(temp_dir) / "serve_config.yaml"
+        config_file.write_text(yaml.safe_dump(cfg))
         yield {"env": env, "dash": dash, "gcs": f"127.0.0.1:{ports['gcs']}", "config": config_file,
                "url": f"http://127.0.0.1:{ports['http']}"}  # fmt: skip
     finally:
         # `ray start --block` takes half a minute to stop its processes one by one on SIGTERM;
         # the cluster lives in its own session and temp dir, so killing the whole group is enough.
-        os.killpg(head.pid, signal.SIGTERM)
+        with contextlib.suppress(ProcessLookupError):  # (a head that failed to start is gone)
+            os.killpg(head.pid, signal.SIGTERM)
         try:
             head.wait(3)
         except subprocess.TimeoutExpired:
