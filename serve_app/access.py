@@ -87,6 +87,11 @@ class AccessPolicy:
             return None
         return Unauthorized("invalid API key")
 
+    def is_admin_key(self, authorization: str) -> bool:
+        """Whether the header carries one of the admin keys."""
+        key = self._bearer(authorization)
+        return key is not None and _key_in(key, self.admin_keys)
+
     def check_admin(self, authorization: str, client_host: str | None) -> ServingError | None:
         """Admin routes: an admin key, or (no admin key configured) the local opt-in."""
         key = self._bearer(authorization)

@@ -379,6 +379,22 @@ class JobsConfig(_Strict):
     webhook_secret_env: str = Field(
         "DIFFUSION_WEBHOOK_SECRET", description="Environment variable with the HMAC key of webhook calls."
     )
+    max_queued_per_caller: int = Field(
+        16,
+        ge=1,
+        description="Unfinished jobs one caller (one API key; all callers without a key are one) may "
+        "have on one ingress replica; one more is a 429 with Retry-After.",
+    )
+    max_queued: int = Field(
+        64, ge=1, description="Unfinished jobs of all callers on one ingress replica; one more is a 429."
+    )
+    max_running: int = Field(
+        8,
+        ge=1,
+        description="Jobs one ingress replica has sent to the engine replicas at once; the others wait "
+        "in the ingress (state queued), so a backlog of jobs stands before an interactive request "
+        "by at most this many.",
+    )
     webhook_max_attempts: int = Field(5, ge=1, le=20)
     webhook_backoff_s: float = Field(1.0, gt=0, description="First retry delay; doubles each retry.")
     webhook_timeout_s: float = Field(10.0, gt=0)

@@ -47,6 +47,7 @@ from serve_app.errors import (
 from serve_app.inputs import prepare_inputs
 from serve_app.jobs import JobRunner, Store, body_hash, job_id_for, new_job_request_id, sign, signature_ok
 from serve_app.lora import Registry, check_adapter_file, check_name, shown_path
+from serve_app.proxy import RequestIdGuard
 from serve_app.schemas import (
     IMAGE_FORMATS,
     MAX_SEED,
@@ -131,6 +132,7 @@ def make_app() -> FastAPI:
     )
     fastapi_app.middleware("http")(check_api_key)
     fastapi_app.add_middleware(BodyLimit)
+    fastapi_app.add_middleware(RequestIdGuard)  # outermost: a malformed X-Request-Id goes no further
     for exc_type, handler in (
         (ServingError, _serving_error),
         (RequestValidationError, _validation_error),
@@ -485,27 +487,33 @@ class DiffusionIngress:
             raise DeadlineExceeded(f"no result within {ing.request_timeout_s:g}s", request_id=rid) from None
         raise _gave_up(failures, rid)
 
-    async def abort(self, request_ids: list[str]) -> dict[str, str]:
+    async def abort(self, request_ids: list[str], owner: str | None = None) -> dict[str, str]:
         """Abort requests by id wherever they are: `aborted`, `finished` or `unknown` per id.
+        With `owner`, only that caller's requests (another caller's are `unknown`).
 
         Aborted callers get an `Aborted` error (HTTP 499); a running request stops at the next
         denoising step, and the others in its pipeline call keep going.
         """
         for rid in request_ids:
             _check_path_id(rid)
-        answers = await self._broadcast("abort", list(request_ids))
+        answers = await self._broadcast("abort", list(request_ids), owner)
         out = {}
         for rid in request_ids:
             seen = {a.get(rid) for a in answers}
             out[rid] = next((s for s in ("aborted", "finished") if s in seen), "unknown")
         return out
 
-    async def request_status(self, request_id: str) -> RequestState:
+    async def request_status(self, request_id: str, owner: str | None = None) -> RequestState:
+        """Where a request is; with `owner`, only that caller's (another's is a 404 like an
+        unknown id)."""
         _check_path_id(request_id)
-        states = await self._broadcast("request_status", request_id)
+        states = await self._broadcast("request_status", request_id, owner)
         found = [st for st in states if st is not None]
         if not found:
-            raise NotFound(f"request_id: no request {request_id!r} is queued, running or recently finished")
+            raise NotFound(
+                f"request_id: no request {request_id!r} is queued, running or recently finished",
+                param="request_id",
+            )
         order = {"running": 0, "queued": 1, "done": 2, "failed": 3, "aborted": 4}
         return min(found, key=lambda st: order[st.state])
 
@@ -689,7 +697,9 @@ class DiffusionIngress:
         """A registry entry as callers see it: its path relative to its adapter root."""
         return {"name": name, **entry, "path": self._shown(entry["path"])}
 
-    async def _submit(self, request: GenerationRequest | BatchGenerationRequest) -> GenerationResult:
+    async def _submit(
+        self, request: GenerationRequest | BatchGenerationRequest | PreparedRequest
+    ) -> GenerationResult:
         """Send to a replica; retry when the replica dies under it; bound the whole by a deadline."""
         await self._ensure_ready()
         request = await self._prepare(request)
@@ -812,16 +822,22 @@ class DiffusionIngress:
         return await self.models()
 
     @app.get("/v1/requests/{request_id}", response_model=RequestState, responses=_ERRORS)
-    async def get_request(self, request_id: str) -> RequestState:
-        return await self.request_status(request_id)
+    async def get_request(self, request_id: str, http: Request) -> RequestState:
+        return await self.request_status(request_id, self._requester(http))
 
     @app.post("/v1/requests/{request_id}/abort", response_model=AbortResponse, responses=_ERRORS)
-    async def abort_request(self, request_id: str) -> AbortResponse:
-        return _abort_response(request_id, (await self.abort([request_id]))[request_id])
+    async def abort_request(self, request_id: str, http: Request) -> AbortResponse:
+        return await self._abort_one(request_id, http)
 
     @app.delete("/v1/requests/{request_id}", response_model=AbortResponse, responses=_ERRORS)
-    async def delete_request(self, request_id: str) -> AbortResponse:
-        return _abort_response(request_id, (await self.abort([request_id]))[request_id])
+    async def delete_request(self, request_id: str, http: Request) -> AbortResponse:
+        return await self._abort_one(request_id, http)
+
+    async def _abort_one(self, request_id: str, http: Request) -> AbortResponse:
+        """The caller's request aborted; another caller's is left alone and answered `unknown`,
+        exactly as an id nobody used."""
+        outcome = (await self.abort([request_id], self._requester(http)))[request_id]
+        return _abort_response(request_id, outcome)
 
     @app.post("/v1/loras", **_ADMIN)
     async def http_add_lora(self, body: LoraAdd) -> dict[str, Any]:
@@ -890,9 +906,11 @@ class DiffusionIngress:
                     param=name,
                 )
         base = self._base_url(http)
+        # Prepared here, once: bad input gets its 400 before a stream opens, and the request
+        # is its caller's (only they, or the admin, may read its state or abort it).
+        await self._ensure_ready()
+        request = (await self._prepare(request)).model_copy(update={"owner": self._caller(http)})
         if body.stream:
-            await self._ensure_ready()
-            request = await self._prepare(request)  # bad input still gets its 400 before the stream opens
             if body.partial_images is not None:
                 events = self._openai_sse(request, body, stream_kind)
             else:
@@ -985,8 +1003,27 @@ class DiffusionIngress:
         digest = body_hash({"route": route, **body.model_dump(mode="json")})
         if key is not None and (existing := await asyncio.to_thread(self.store.load_job, job_id)):
             return self._same_job(existing, digest)
+        self._check_job_room(caller)
+        with self.jobs.admission(caller):  # counted from the check on (no await between): bursts too
+            job = await self._admit_job(request, route, hook, caller, job_id, digest, self._base_url(http))
+        if job is None:  # the same key, sent twice at once
+            return self._same_job(await asyncio.to_thread(self.store.load_job, job_id), digest)
+        # `Prefer: wait=N` (RFC 7240): a job that ends within N seconds is answered ended (200).
+        end = time.monotonic() + _prefer_wait(http)
+        while not job.finished and (left := end - time.monotonic()) > 0:
+            await self.jobs.watch(job_id, left)
+            job = self.jobs.jobs.get(job_id) or await asyncio.to_thread(self.store.load_job, job_id) or job
+        return self._job_response(job, 200 if job.finished else 202)
+
+    async def _admit_job(
+        self, request, route: str, hook, caller: str, job_id: str, digest: str, base_url: str
+    ) -> JobRecord | None:
+        """Prepare the job's request (bad input still gets its 400) and store and start the job;
+        None if a job with its id exists already."""
         await self._ensure_ready()
-        prepared = (await self._prepare(request)).model_copy(update={"request_id": new_job_request_id()})
+        prepared = (await self._prepare(request)).model_copy(
+            update={"request_id": new_job_request_id(), "owner": caller}
+        )
         job = JobRecord(
             id=job_id,
             route=route,
@@ -998,17 +1035,27 @@ class DiffusionIngress:
             output_format=prepared.output_format,
             webhook=hook,
             caller=caller,
-            base_url=self._base_url(http),
+            base_url=base_url,
             body_hash=digest,
         )
-        if await self.jobs.submit(job, prepared) is None:  # the same key, sent twice at once
-            return self._same_job(await asyncio.to_thread(self.store.load_job, job_id), digest)
-        # `Prefer: wait=N` (RFC 7240): a job that ends within N seconds is answered ended (200).
-        end = time.monotonic() + _prefer_wait(http)
-        while not job.finished and (left := end - time.monotonic()) > 0:
-            await self.jobs.watch(job_id, left)
-            job = self.jobs.jobs.get(job_id) or await asyncio.to_thread(self.store.load_job, job_id) or job
-        return self._job_response(job, 200 if job.finished else 202)
+        return await self.jobs.submit(job, prepared)
+
+    def _check_job_room(self, caller: str) -> None:
+        """429 past `jobs.max_queued_per_caller` unfinished jobs of this caller, or
+        `jobs.max_queued` of all, on this ingress: a backlog of jobs cannot grow without bound."""
+        cfg, retry = self.cfg.jobs, self.cfg.ingress.retry_after_s
+        mine, every = self.jobs.unfinished(caller), self.jobs.unfinished()
+        if mine >= cfg.max_queued_per_caller:
+            raise Overloaded(
+                f"jobs: you have {mine} unfinished jobs, the most one caller may have "
+                f"(jobs.max_queued_per_caller); retry when one has ended",
+                retry_after_s=retry,
+            )
+        if every >= cfg.max_queued:
+            raise Overloaded(
+                f"jobs: {every} unfinished jobs, the most this server holds (jobs.max_queued); retry later",
+                retry_after_s=retry,
+            )
 
     def _same_job(self, existing: JobRecord, digest: str) -> JSONResponse:
         """An idempotency key sent again: the job it made, if the body is the same."""
@@ -1017,6 +1064,13 @@ class DiffusionIngress:
                 "Idempotency-Key: this key was used for another request body", param="Idempotency-Key"
             )
         return self._job_response(existing, 200)
+
+    def _requester(self, http: Request) -> str | None:
+        """Whose requests an HTTP caller may see and abort: its own (see `_caller`), or with an
+        admin key anyone's (None)."""
+        if self.access.is_admin_key(http.headers.get("authorization", "")):
+            return None
+        return self._caller(http)
 
     def _caller(self, http: Request) -> str:
         """Whose job it is: a keyed digest of the API key it was sent with ("" without one), so

@@ -11,6 +11,8 @@ request to the replicas.
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import hashlib
 import hmac
 import json
@@ -232,7 +234,8 @@ def sign(key: bytes, path: str, expires: int) -> str:
 def signature_ok(key: bytes, path: str, expires: int, signature: str, now: float | None = None) -> bool:
     if expires < (now if now is not None else time.time()):
         return False
-    return hmac.compare_digest(sign(key, path, expires), signature)
+    # As bytes: compare_digest refuses a str with characters outside ASCII (a caller's `%C3%A9`).
+    return hmac.compare_digest(sign(key, path, expires).encode(), signature.encode("utf-8", "replace"))
 
 
 # --------------------------------------------------------------------------- the runner
@@ -274,12 +277,18 @@ class JobRunner:
         self._changed: dict[str, asyncio.Event] = {}
         self.webhook_key = b""
         self.public_only = not cfg.webhook_hosts  # no allow-list: webhooks reach public addresses only
+        # At most `max_running` jobs are in the engine replicas' queues at once (made in start()).
+        self._slots: asyncio.Semaphore | None = None
+        self.waiting: set[str] = set()  # jobs held here until a slot frees
+        self.admitting: collections.Counter[str] = collections.Counter()  # by caller
 
     def start(self) -> None:
         """Start the background loop (renew, resume, prune); call from the event loop."""
         if self._loop_task is None or self._loop_task.done():
             key = self.cfg.webhook_secret or os.environ.get(self.cfg.webhook_secret_env) or ""
             self.webhook_key = key.encode()
+            if self._slots is None:
+                self._slots = asyncio.Semaphore(self.cfg.max_running)
             self._loop_task = asyncio.ensure_future(self._background())
 
     # ------------------------------------------------------------------ submit, abort, watch
@@ -299,7 +308,9 @@ class JobRunner:
         whichever ingress runs it (that one sees the record finished and stops)."""
         await self.abort_request(job.request_id)
         task = self.tasks.get(job.id)
-        if task is not None:
+        if task is not None and job.id in self.waiting:  # never sent: nothing to stop elsewhere
+            task.cancel()
+        elif task is not None:
             try:
                 await asyncio.wait_for(asyncio.shield(task), 5.0)
             except TimeoutError:
@@ -359,7 +370,32 @@ class JobRunner:
 
         task.add_done_callback(done)
 
+    def unfinished(self, caller: str | None = None) -> int:
+        """Jobs this ingress runs, holds or is admitting that have not ended (of `caller`, or of all)."""
+        admitting = self.admitting[caller] if caller is not None else sum(self.admitting.values())
+        return admitting + sum(1 for j in self.jobs.values() if caller is None or j.caller == caller)
+
+    @contextlib.contextmanager
+    def admission(self, caller: str):
+        """Counts a job being checked and stored as unfinished, so that a burst of submissions
+        sent at once is bounded like the same jobs sent one by one."""
+        self.admitting[caller] += 1
+        try:
+            yield
+        finally:
+            self.admitting[caller] -= 1
+
     async def _execute(self, job: JobRecord, request: PreparedRequest) -> None:
+        self.start()
+        self.waiting.add(job.id)
+        try:
+            async with self._slots:
+                self.waiting.discard(job.id)
+                await self._stream(job, request)
+        finally:
+            self.waiting.discard(job.id)
+
+    async def _stream(self, job: JobRecord, request: PreparedRequest) -> None:
         last_save = 0.0
         try:
             async for item in self.stream(request):

@@ -49,6 +49,8 @@ def check_adapter_file(path: str, allowed_roots: list[str], max_file_mb: float) 
         raise Forbidden(
             "path: no lora.allowed_roots are configured, so no adapter file may be loaded", param="path"
         )
+    if "\x00" in path:  # the file system would refuse it with a 500
+        raise InvalidRequest("path: a NUL character is not allowed in adapter paths", param="path")
     raw = Path(path).expanduser()
     if not raw.is_absolute():
         raw = Path(allowed_roots[0]).expanduser() / raw

@@ -89,8 +89,36 @@ Extra = Annotated[
 ]
 
 
+def _bad_text(v: Any, at: str = "") -> str | None:
+    """Where in `v` a string holds text no encoder takes (a lone surrogate such as `\\ud800`,
+    which JSON can spell), or None."""
+    if isinstance(v, str):
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError:
+            return at or "it"
+    elif isinstance(v, dict):
+        for k, item in v.items():
+            if (found := _bad_text(k, f"{at}.{k!s}"[:80]) or _bad_text(item, f"{at}.{k!s}")) is not None:
+                return found
+    elif isinstance(v, list | tuple):
+        for i, item in enumerate(v):
+            if (found := _bad_text(item, f"{at}[{i}]")) is not None:
+                return found
+    return None
+
+
 class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _valid_text(cls, v: Any) -> Any:
+        """Every string field holds real text: a 400 naming the field, not a tokenizer's 500."""
+        if (at := _bad_text(v)) is not None:
+            where = "" if at == "it" else f" (at {at.lstrip('.')})"
+            raise ValueError(f"must be valid Unicode text{where}: a lone surrogate such as \\ud800 is not")
+        return v
 
 
 # --------------------------------------------------------------------------- tensors
@@ -351,6 +379,9 @@ class PreparedRequest(_Wire):
     negative_prompt_embeds: TensorPayload | None = None
     pooled_prompt_embeds: TensorPayload | None = None
     negative_pooled_prompt_embeds: TensorPayload | None = None
+    # Whose request it is (the ingress's digest of the caller's key; "" for handle callers and
+    # callers without a key): only its owner (and the admin) may read its state or abort it.
+    owner: str = ""
 
     @classmethod
     def from_request(

@@ -21,6 +21,8 @@ from pathlib import Path
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The proxy's X-Request-Id guard, as the README's commands start Ray (serve_app/proxy.py).
+os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "serve_app.proxy:middlewares")
 
 import httpx  # noqa: E402
 import pytest  # noqa: E402
@@ -280,16 +282,20 @@ def pytest_runtest_teardown(item, nextitem):
         action()
 
 
-# The keys of `keyed_app`.
-USER_KEY, ADMIN_KEY = "user-key-8f3a", "admin-key-1c9d"
+# The keys of `keyed_app`: two users and an admin.
+USER_KEY, USER_KEY_B, ADMIN_KEY = "user-key-8f3a", "user-key-b7e2", "admin-key-1c9d"
+# Its jobs: no webhook allow-list (webhooks reach public addresses only, as in serve_config.yaml)
+# and small bounds on unfinished and dispatched jobs.
+KEYED_JOBS = {"webhook_hosts": [], "max_queued_per_caller": 3, "max_queued": 5, "max_running": 2}
 
 
 @pytest.fixture(scope="session")
 def keyed_app(request, ray_cluster):
     """An app that needs API keys, with a short batch window (the shared app waits 100 ms to
-    batch test requests): test_auth checks its keys, test_soak sends it mixed traffic. One app
-    for both, since every app started costs about 10 s; deleted after the last test that uses
-    it. Its route prefix."""
+    batch test requests): test_auth checks its keys, test_soak sends it mixed traffic,
+    test_hostile has two users try each other's requests and jobs. One app for all, since
+    every app started costs about 10 s; deleted after the last test that uses it. Its route
+    prefix."""
     from ray import serve
 
     name = "keyed"
@@ -297,7 +303,11 @@ def keyed_app(request, ray_cluster):
     _AFTER[users[-1].nodeid] = lambda: serve.delete(name, _blocking=False)
     return deploy(
         name,
-        app_args(auth={"api_keys": [USER_KEY], "admin_keys": [ADMIN_KEY]}, batching={"batch_wait_ms": 5}),
+        app_args(
+            auth={"api_keys": [USER_KEY, USER_KEY_B], "admin_keys": [ADMIN_KEY]},
+            batching={"batch_wait_ms": 5},
+            jobs=KEYED_JOBS,
+        ),
     )
 
 

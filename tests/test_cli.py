@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 # The README's first request (seed 1) and the playground's default prompt.
 FIRST_PROMPT = "a yellow star on a black background"
+GUARD = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"  # set by conftest, as the README does
 
 
 def _wait_for_image(url: str, deadline_s: float, prompt: str = "cli", steps: int | None = 2) -> dict:
@@ -135,6 +136,9 @@ def deploy_then_status_then_shutdown(cli) -> None:
     assert body["model"] == "shapes" and len(body["data"]) == 1
     seen = read_image(Image.open(io.BytesIO(base64.b64decode(body["data"][0]["b64_json"]))))
     assert (seen.colour, seen.shape, seen.background) == ("yellow", "star", "black"), seen
+    # The proxy guard the README's commands install: Serve's proxy would answer a plain 500.
+    r = httpx.get(cli["url"] + "/health", headers={"X-Request-Id": b"\xff"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Id", r.text
     status = _serve(cli, "status", "-a", cli["dash"])
     assert status.returncode == 0 and "RUNNING" in status.stdout, status.stdout + status.stderr
     scale_without_reloading(cli)
@@ -197,3 +201,12 @@ def test_the_readme_and_the_playground_start_with_the_first_prompt():
     assert f'{{"prompt": "{FIRST_PROMPT}", "size": "64x64", "seed": 1}}' in readme
     page = (ROOT / "serve_app" / "playground.html").read_text()
     assert f'<textarea id="prompt" required>{FIRST_PROMPT}</textarea>' in page
+
+
+def test_the_readme_starts_ray_with_the_proxy_guard():
+    """Both of the README's ways to start Ray install serve_app/proxy.py as the tests do."""
+    readme = (ROOT / "README.md").read_text()
+    guard = f"export RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH={os.environ[GUARD]}"
+    assert os.environ[GUARD] == "serve_app.proxy:middlewares"
+    assert f"-e . && {guard} && serve run serve_config.yaml" in readme
+    assert f"{guard}   # see" in readme.split("ray start --head")[0].rsplit("```bash", 1)[1]

@@ -222,7 +222,7 @@ def req(prompt: str, rid: str, seed: int, images: int = 1, steps: int = 8, guida
 
 
 async def at_step(r: DiffusionReplica, rid: str, step: int) -> None:
-    while (job := r.scheduler.jobs.get(rid)) is None or job.step < step:
+    while (job := r.scheduler.jobs.get(("", rid))) is None or job.step < step:
         await asyncio.sleep(0.002)
 
 

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from serve_app.config import ProfilingConfig
 from serve_app.errors import InvalidRequest
 
 
@@ -20,9 +21,10 @@ def test_profile_start_stop_writes_a_trace_per_replica(client):
     stopped = client.post("/stop_profile").json()
     assert all(r["ok"] for r in stopped)
     for r in stopped:
-        path = r["result"]["trace"]
-        assert os.path.basename(path).startswith(f"unit-{r['replica_id']}-")
-        with open(path) as f:
+        name = r["result"]["trace"]  # relative to profiling.trace_dir: no server path is shown
+        assert not os.path.isabs(name) and name.startswith(f"unit-{r['replica_id']}-"), name
+        assert "/root" not in json.dumps(stopped)
+        with open(os.path.join(os.path.expanduser(ProfilingConfig().trace_dir), name)) as f:
             assert json.load(f)["traceEvents"]
     assert client.post("/start_profile", json={"prefix": "../evil"}).status_code == 400
 

@@ -64,7 +64,7 @@ class Profiler:
             prof.export_chrome_trace(path)
 
         await self._on_engine(end)
-        return {"trace": path}
+        return {"trace": name}  # relative to profiling.trace_dir: no server path
 
 
 async def call_exported(engine, on_engine: OnEngine, method: str, args: list, kwargs: dict) -> Any:

@@ -245,6 +245,7 @@ class DiffusionReplica:
             preview_every=preview_every,
             adapters=tuple(r.name for r in request.loras),
             join_key=join_key,
+            owner=request.owner,
         )
         for ref in request.loras:  # read files the replica lacks while the engine runs its calls
             self.adapters.prefetch(ref.name, ref.path)
@@ -259,8 +260,7 @@ class DiffusionReplica:
             output: EngineOutput = await job.future
         except asyncio.CancelledError:
             # The caller went away (HTTP disconnect, DeploymentResponse.cancel()): same as abort.
-            if self.scheduler.abort_job(job, "cancelled by the caller"):
-                self._counts["aborted"] += 1
+            self.scheduler.abort_job(job, "cancelled by the caller")  # counted once, by _on_retire
             raise
         loop = asyncio.get_running_loop()
         t = time.perf_counter()
@@ -275,18 +275,21 @@ class DiffusionReplica:
 
     # ------------------------------------------------------------------ abort and status
 
-    def abort(self, request_ids: list[str]) -> dict[str, str]:
-        """Abort by id: `aborted`, `finished` (already done, nothing to do) or `unknown`."""
-        return self.scheduler.abort(request_ids)
+    def abort(self, request_ids: list[str], owner: str | None = None) -> dict[str, str]:
+        """Abort by id among `owner`'s requests (None: anyone's): `aborted`, `finished`
+        (already done, nothing to do) or `unknown`."""
+        return self.scheduler.abort(request_ids, owner)
 
     def _on_retire(self, job: Job, state: str) -> None:
         metrics.count_request(self.engine.model_name, state, len(job.rows))
         self._counts[state] += 1
 
-    def request_status(self, request_id: str) -> RequestState | None:
+    def request_status(self, request_id: str, owner: str | None = None) -> RequestState | None:
+        """Where `owner`'s request with this id is (None: anyone's; a running one first)."""
         s = self.scheduler
-        job = s.jobs.get(request_id)
-        if job is not None:
+        jobs, finished = s.find(request_id, owner)
+        if jobs:
+            job = min(jobs, key=lambda j: j.state != "running")
             position = (
                 next((i for i, j in enumerate(s.queue) if j is job), None) if job.state == "queued" else None
             )
@@ -299,17 +302,17 @@ class DiffusionReplica:
                 images=len(job.rows),
                 replica_id=_replica_id(),
             )
-        done = s.finished.get(request_id)
-        if done is None:
-            return None
-        return RequestState(
-            request_id=request_id,
-            state=done.state,
-            step=done.step,
-            total_steps=done.total_steps,
-            error=done.error,
-            replica_id=_replica_id(),
-        )
+        if finished:
+            done = finished[-1]
+            return RequestState(
+                request_id=request_id,
+                state=done.state,
+                step=done.step,
+                total_steps=done.total_steps,
+                error=done.error,
+                replica_id=_replica_id(),
+            )
+        return None
 
     # ------------------------------------------------------------------ the engine loop
 
@@ -394,7 +397,7 @@ class DiffusionReplica:
         same kind join it (up to `max_batch_images` rows), and each request is answered as soon
         as its own rows are done."""
         params, adapters = batch[0].payload[1], batch[0].rows[0].adapters
-        members: dict[str, _Member] = {}
+        members: dict[int, _Member] = {}  # by id(job): request ids are unique per owner only
         joining, run = batch, None
         self.health.call_started = time.monotonic()
         on_engine = functools.partial(loop.run_in_executor, self._engine_thread)
@@ -440,7 +443,7 @@ class DiffusionReplica:
         or switched them (the run puts its own set back in force at every step)."""
         self._hold_adapters(batch)
         for job in joining:
-            m = members[job.request_id] = _Member(job)
+            m = members[id(job)] = _Member(job)
             hooks = row_hooks(job, loop)
             m.seats = [run.add(row, hook, job.payload[1]) for row, hook in zip(job.rows, hooks, strict=True)]
         metrics.observe_batch(self.engine.model_name, run.active)
@@ -453,10 +456,10 @@ class DiffusionReplica:
         """Answer each request of a joined call whose rows have all ended. One failed denoiser
         call fails every request in it with one error, counted once."""
         errors: dict[int, ServingError] = {}
-        for rid, m in list(members.items()):
+        for key, m in list(members.items()):
             if not all(seat.done for seat in m.seats):
                 continue
-            del members[rid]
+            del members[key]
             job = m.job
             self.scheduler.left(job)
             if job.state != "running":  # aborted during the call: its images are dropped
@@ -464,7 +467,7 @@ class DiffusionReplica:
             error = next((seat.error for seat in m.seats if seat.error is not None), None)
             if error is not None:
                 if id(error) not in errors:
-                    errors[id(error)] = self.health.classify(error, rid, len(job.rows), params)
+                    errors[id(error)] = self.health.classify(error, job.request_id, len(job.rows), params)
                 self.scheduler.fail(job, errors[id(error)])
                 continue
             self.health.consecutive_failures = 0

@@ -46,6 +46,13 @@ class Job:
     # Jobs with equal join keys may share a joined call (step-level joining), which runs each
     # job's own pipeline call: a wider kind than `key`.
     join_key: Hashable = None
+    # Whose request it is: its id names it only among its owner's requests ("" for handle
+    # callers and callers without a key). Ids of other owners are unknown to a caller.
+    owner: str = ""
+
+    @property
+    def ident(self) -> tuple[str, str]:
+        return (self.owner, self.request_id)
 
 
 @dataclass(frozen=True)
@@ -75,9 +82,10 @@ class Scheduler:
         self.batching = batching
         self.max_adapters = max_adapters
         self.queue: collections.deque[Job] = collections.deque()
-        self.jobs: dict[str, Job] = {}  # queued and running, by request id
+        # Queued and running jobs, and the finished ones remembered, by (owner, request id).
+        self.jobs: dict[tuple[str, str], Job] = {}
         self.running: list[Job] = []
-        self.finished: collections.OrderedDict[str, FinishedRecord] = collections.OrderedDict()
+        self.finished: collections.OrderedDict[tuple[str, str], FinishedRecord] = collections.OrderedDict()
         self._last_call: _LastCall | None = None
         self._wakeup = asyncio.Event()
         self._on_retire = on_retire
@@ -85,12 +93,12 @@ class Scheduler:
     # ------------------------------------------------------------------ the queue
 
     def submit(self, job: Job) -> None:
-        if job.request_id in self.jobs:
+        if job.ident in self.jobs:
             raise InvalidRequest(
                 f"request_id: {job.request_id!r} is already queued or running", param="request_id"
             )
         self.queue.append(job)
-        self.jobs[job.request_id] = job
+        self.jobs[job.ident] = job
         self._wakeup.set()
 
     def queue_length(self) -> int:
@@ -209,8 +217,8 @@ class Scheduler:
 
     def retire(self, job: Job, state: State, error: str | None = None) -> None:
         job.state = state
-        self.jobs.pop(job.request_id, None)
-        self.finished[job.request_id] = FinishedRecord(state, job.step, job.total_steps or job.steps, error)
+        self.jobs.pop(job.ident, None)
+        self.finished[job.ident] = FinishedRecord(state, job.step, job.total_steps or job.steps, error)
         while len(self.finished) > FINISHED_KEPT:
             self.finished.popitem(last=False)
         if self._on_retire is not None:
@@ -225,16 +233,24 @@ class Scheduler:
         if not job.future.done():
             job.future.set_exception(err.with_request_id(job.request_id))
 
-    def abort(self, request_ids: list[str]) -> dict[str, str]:
-        """Abort by id: `aborted`, `finished` (already done, nothing to do) or `unknown`."""
+    def find(self, request_id: str, owner: str | None) -> tuple[list[Job], list[FinishedRecord]]:
+        """The queued or running jobs and the finished records with this id, of `owner` only;
+        with `owner` None (the admin, handle callers) of every owner."""
+        if owner is not None:
+            job, done = self.jobs.get((owner, request_id)), self.finished.get((owner, request_id))
+            return ([job] if job else []), ([done] if done else [])
+        jobs = [j for (_, rid), j in self.jobs.items() if rid == request_id]
+        return jobs, [f for (_, rid), f in self.finished.items() if rid == request_id]
+
+    def abort(self, request_ids: list[str], owner: str | None = None) -> dict[str, str]:
+        """Abort by id, among `owner`'s requests (None: anyone's): `aborted`, `finished`
+        (already done, nothing to do) or `unknown` (another owner's request is unknown too)."""
         out = {}
         for rid in request_ids:
-            job = self.jobs.get(rid)
-            if job is not None:
+            jobs, done = self.find(rid, owner)
+            for job in jobs:
                 self.abort_job(job, "aborted")
-                out[rid] = "aborted"
-            else:
-                out[rid] = "finished" if rid in self.finished else "unknown"
+            out[rid] = "aborted" if jobs else "finished" if done else "unknown"
         return out
 
     def abort_job(self, job: Job, why: str) -> bool:
