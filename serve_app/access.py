@@ -104,7 +104,7 @@ class AccessPolicy:
         return Forbidden(ADMIN_CLOSED)
 
 
-def _servable():
+def servable():
     """The ingress object this process serves (Serve's replica context): its access policy and
     body limit are per deployment, not module globals. None outside Serve."""
     try:
@@ -116,7 +116,7 @@ def _servable():
 
 
 def _policy(request: Request) -> AccessPolicy:
-    return getattr(_servable(), "access", None) or AccessPolicy()
+    return getattr(servable(), "access", None) or AccessPolicy()
 
 
 def route_path(request: Request) -> str:
@@ -159,10 +159,10 @@ class BodyLimit:
         self.max_bytes = max_bytes
 
     def _limit(self, scope) -> int | None:
-        servable = _servable()
+        ingress = servable()
         if scope.get("path", "").endswith("/v1/images/edits"):  # the route whose bodies carry images
-            return getattr(servable, "max_upload_bytes", None) or self.max_bytes
-        return getattr(servable, "max_body_bytes", None) or self.max_bytes
+            return getattr(ingress, "max_upload_bytes", None) or self.max_bytes
+        return getattr(ingress, "max_body_bytes", None) or self.max_bytes
 
     async def __call__(self, scope, receive, send):
         limit = self._limit(scope) if scope["type"] == "http" else None

@@ -12,7 +12,7 @@ from ray.serve import Application
 
 from serve_app.config import AppConfig
 from serve_app.engine.engine import engine_class, scheduler_class
-from serve_app.ingress import DiffusionIngressDeployment
+from serve_app.ingress.deployment import DiffusionIngressDeployment
 from serve_app.replica import DiffusionReplicaDeployment
 
 

@@ -154,7 +154,7 @@ def test_the_import_rules_hold_in_fresh_interpreters():
 
     forbidden = {
         "serve_app.engine": ["ray"],
-        "serve_app.ingress": ["serve_app.engine", "torch", "diffusers"],
+        "serve_app.ingress.deployment": ["serve_app.engine", "torch", "diffusers"],
         "serve_app.schemas": ["serve_app.engine", "torch", "ray"],
         "serve_app.app": ["diffusers", "transformers", "peft"],
     }

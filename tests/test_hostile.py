@@ -98,7 +98,7 @@ def test_a_literal_address_is_refused_when_the_call_is_made_too():
 
 
 def test_odd_bytes_in_a_link_signature_an_adapter_path_and_a_prompt():
-    from serve_app.ingress import validation_to_error
+    from serve_app.ingress.checks import validation_to_error
     from serve_app.jobs import signature_ok
     from serve_app.lora import check_adapter_file
     from serve_app.schemas import ImagesGenerationRequest

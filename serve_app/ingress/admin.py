@@ -1,0 +1,127 @@
+"""Routes that change the server for everyone: adapter registration, pinning and removal, the
+profiler, and collective RPC to the replicas' engines. Each needs an admin key (or the local
+opt-in); listing the adapters is open to any caller."""
+
+import re
+from typing import Any
+
+from fastapi import APIRouter
+
+from serve_app.errors import InvalidRequest
+from serve_app.ingress.core import Core, CoreDep
+from serve_app.ingress.failures import not_ready
+from serve_app.ingress.openapi import ADMIN, ERRORS
+from serve_app.lora import check_adapter_file, check_name, shown_path
+from serve_app.schemas import LoraAdd, LoraPin, Outcome, ProfileStart, RpcCall
+
+
+def _entry(core: Core, name: str, entry: dict[str, Any]) -> dict[str, Any]:
+    """A registry entry as callers see it: its path relative to its adapter root."""
+    return {"name": name, **entry, "path": shown_path(entry["path"], core.cfg.lora.allowed_roots)}
+
+
+async def add_lora(
+    core: Core, name: str, path: str, scale: float = 1.0, pinned: bool = False
+) -> dict[str, Any]:
+    """Register an adapter after checking its file and loading it once on a replica."""
+    check_name(name)
+    lim = core.cfg.lora
+    resolved = check_adapter_file(path, lim.allowed_roots, lim.max_file_mb)
+    if name in core.registry.all():
+        raise InvalidRequest(f"name: an adapter named {name!r} is already registered", param="name")
+    await core.ensure_ready()
+    try:
+        await core.replica.validate_lora.remote(str(resolved))
+    except Exception as e:
+        err = core.call_error(e, name, []) or not_ready()
+        err.message = err.message.replace(str(resolved), shown_path(str(resolved), lim.allowed_roots))
+        raise err from None
+    entry = core.registry.add(name, str(resolved), scale)
+    if pinned:
+        return await pin_lora(core, name, True)
+    return _entry(core, name, entry)
+
+
+async def remove_lora(core: Core, name: str) -> dict[str, Any]:
+    """Unregister an adapter and evict it from every replica; later requests for it get 404."""
+    entry = core.registry.remove(name)
+    evicted = await core.broadcast("evict_lora", name)
+    return {**_entry(core, name, entry), "evicted_from_replicas": sum(bool(e) for e in evicted)}
+
+
+async def pin_lora(core: Core, name: str, pinned: bool = True) -> dict[str, Any]:
+    """Pin (load on every replica, never evict) or unpin an adapter."""
+    entry = core.registry.pin(name, pinned, max_pinned=core.cfg.lora.max_loaded)
+    await core.broadcast("pin_lora", name, entry["path"], pinned)
+    return _entry(core, name, entry)
+
+
+async def list_loras(core: Core) -> dict[str, Any]:
+    """The registry (name, path, scale, pinned) and, per replica, the adapters it holds."""
+    registry = [_entry(core, n, e) for n, e in sorted(core.registry.all().items())]
+    replicas = await core.broadcast("loaded_loras")
+    return {"adapters": registry, "replicas": sorted(replicas, key=lambda r: r["replica_id"])}
+
+
+async def start_profile(core: Core, prefix: str = "trace") -> list[Outcome]:
+    """Every live replica starts the torch profiler; per-replica outcomes."""
+    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", prefix):
+        raise InvalidRequest("prefix: 1-64 letters, digits, '.', '_' or '-'", param="prefix")
+    return await core.fan_out("start_profile", prefix)
+
+
+async def collective_rpc(
+    core: Core,
+    method: str,
+    args: list | None = None,
+    kwargs: dict | None = None,
+    timeout: float | None = None,
+) -> list[Outcome]:
+    """Call `method` on every live replica's engine; errors are reported per replica.
+
+    Only methods the engine (or its extension) exports can be called; others get a 400."""
+    allowed = (await core.describe()).rpc_methods
+    if method not in allowed:
+        raise InvalidRequest(
+            f"method: {method!r} cannot be called; allowed: {', '.join(allowed)}", param="method"
+        )
+    return await core.fan_out("collective_rpc", method, list(args or []), dict(kwargs or {}), timeout=timeout)
+
+
+router = APIRouter()
+
+
+@router.post("/v1/loras", **ADMIN)
+async def http_add_lora(body: LoraAdd, core: CoreDep) -> dict[str, Any]:
+    return await add_lora(core, body.name, body.path, body.scale, body.pinned)
+
+
+@router.get("/v1/loras", responses=ERRORS)
+async def http_list_loras(core: CoreDep) -> dict[str, Any]:
+    return await list_loras(core)
+
+
+@router.delete("/v1/loras/{name}", **ADMIN)
+async def http_remove_lora(name: str, core: CoreDep) -> dict[str, Any]:
+    return await remove_lora(core, name)
+
+
+@router.post("/v1/loras/{name}/pin", **ADMIN)
+async def http_pin_lora(name: str, core: CoreDep, body: LoraPin | None = None) -> dict[str, Any]:
+    return await pin_lora(core, name, body.pinned if body is not None else True)
+
+
+@router.post("/start_profile", **ADMIN)
+async def http_start_profile(core: CoreDep, body: ProfileStart | None = None) -> list[Outcome]:
+    return await start_profile(core, body.prefix if body else "trace")
+
+
+@router.post("/stop_profile", **ADMIN)
+async def http_stop_profile(core: CoreDep) -> list[Outcome]:
+    """Every live replica stops its profiler and writes a trace; the reply lists the files."""
+    return await core.fan_out("stop_profile")
+
+
+@router.post("/v1/rpc", **ADMIN)
+async def http_collective_rpc(body: RpcCall, core: CoreDep) -> list[Outcome]:
+    return await collective_rpc(core, body.method, body.args, body.kwargs, body.timeout)

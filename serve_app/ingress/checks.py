@@ -1,0 +1,195 @@
+"""Checks of a request against the deployment and the model, before any replica sees it.
+
+Static bounds are pydantic constraints in the wire schema; these are the ones that depend on
+the configuration (limits) or on the model's description (its tasks, modality, frame rule).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from fastapi import Request
+
+from serve_app.config import Limits
+from serve_app.errors import InvalidRequest
+from serve_app.schemas import (
+    IMAGE_FORMATS,
+    REQUEST_ID_PATTERN,
+    VIDEO_FORMATS,
+    BatchGenerationRequest,
+    GenerationParams,
+    GenerationRequest,
+    ModelDescription,
+)
+
+
+def validation_to_error(errors: list[dict[str, Any]]) -> InvalidRequest:
+    """Pydantic's error list -> one 400 naming each field and what it allows."""
+    parts, first = [], None
+    for err in errors:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        name = ".".join(loc) or "body"
+        first = first or name
+        msg = err.get("msg", "invalid").removeprefix("Value error, ")
+        parts.append(f"{name}: {msg}")
+    return InvalidRequest("; ".join(parts) or "invalid request", param=first)
+
+
+def validated(model, data: Any):
+    """`model` built from `data`, or the 400 that names what is wrong."""
+    try:
+        return model.model_validate(data)
+    except ValueError as e:  # pydantic ValidationError is a ValueError
+        raise validation_to_error(e.errors()) from None
+
+
+def _over(name: str, value, most, param: str | None = None) -> InvalidRequest:
+    return InvalidRequest(f"{name}: {value} is outside 1..{most}", param=param or name)
+
+
+def check_limits(req: GenerationParams, limits: Limits, prompts: list[str]) -> None:
+    """Bounds that depend on the deployment; static ones are pydantic constraints."""
+    for side in ("width", "height"):
+        v = getattr(req, side)
+        if v is not None and v > limits.max_side:
+            raise InvalidRequest(f"{side}: {v} is above the maximum {limits.max_side}", param=side)
+    if req.width is not None and req.height is not None and req.width * req.height > limits.max_pixels:
+        raise InvalidRequest(
+            f"size: {req.width}x{req.height} is {req.width * req.height} pixels, above the maximum "
+            f"{limits.max_pixels}",
+            param="size",
+        )
+    if req.num_inference_steps is not None and req.num_inference_steps > limits.max_steps:
+        raise _over("num_inference_steps", req.num_inference_steps, limits.max_steps)
+    if req.num_images > limits.max_images:
+        raise _over("n (num_images)", req.num_images, limits.max_images, param="n")
+    if req.guidance_scale is not None and req.guidance_scale > limits.max_guidance_scale:
+        raise InvalidRequest(
+            f"guidance_scale: {req.guidance_scale} is outside 0..{limits.max_guidance_scale}",
+            param="guidance_scale",
+        )
+    if len(prompts) > limits.max_prompts:
+        raise InvalidRequest(
+            f"prompts: {len(prompts)} prompts, the maximum is {limits.max_prompts}", param="prompts"
+        )
+    for key, value in req.extra.items():
+        # Custom `timesteps` or `sigmas` set the number of steps as surely as num_inference_steps.
+        if isinstance(value, list | tuple) and len(value) > limits.max_steps:
+            raise InvalidRequest(
+                f"extra.{key}: {len(value)} items, the maximum is {limits.max_steps}", param=f"extra.{key}"
+            )
+    negative = req.negative_prompt
+    if negative is not None and len(negative) > limits.max_prompt_chars:
+        raise InvalidRequest(
+            f"negative_prompt: {len(negative)} characters, the maximum is {limits.max_prompt_chars}",
+            param="negative_prompt",
+        )
+    for p in prompts:
+        if len(p) > limits.max_prompt_chars:
+            raise InvalidRequest(
+                f"prompt: {len(p)} characters, the maximum is {limits.max_prompt_chars}", param="prompt"
+            )
+
+
+def edit_task(req: GenerationRequest | BatchGenerationRequest, info: ModelDescription) -> str:
+    """Which task an image request is for this model: inpainting with a mask, else the model's
+    own instruction edit if it is an edit model, else image-to-image."""
+    if req.mask is not None:
+        if "inpaint" not in info.tasks:
+            raise InvalidRequest(f"mask: {info.model} ({info.pipeline}) cannot inpaint", param="mask")
+        return "inpaint"
+    task = "edit" if "edit" in info.tasks else "img2img"
+    if task not in info.tasks:
+        raise InvalidRequest(f"image: {info.model} ({info.pipeline}) takes no input image", param="image")
+    if task == "edit" and req.strength is not None:
+        raise InvalidRequest(
+            f"strength: {info.model} edits by instruction and takes no strength", param="strength"
+        )
+    return task
+
+
+def check_media(req: GenerationParams, info: ModelDescription, limits: Limits) -> None:
+    """What the model makes decides the output formats and whether frames and fps mean anything."""
+    fmt = req.output_format
+    if info.modality == "image":
+        for name in ("num_frames", "fps"):
+            if getattr(req, name) is not None:
+                raise InvalidRequest(f"{name}: {info.model} makes images, not videos", param=name)
+        if fmt is not None and fmt not in IMAGE_FORMATS:
+            raise InvalidRequest(
+                f"output_format: {fmt!r} is a video format; {info.model} makes images "
+                f"({', '.join(IMAGE_FORMATS)})",
+                param="output_format",
+            )
+        return
+    if fmt is not None and fmt not in VIDEO_FORMATS:
+        raise InvalidRequest(
+            f"output_format: {info.model} makes videos: {', '.join(VIDEO_FORMATS)}, not {fmt!r}",
+            param="output_format",
+        )
+    n = req.num_frames
+    a, b = info.frame_rule or (1, 0)
+    if n is not None and (n > limits.max_frames or n < b or (n - b) % a):
+        examples = ", ".join(str(a * k + b) for k in (1, 2, 3))
+        raise InvalidRequest(
+            f"num_frames: {n} does not fit {info.model}, which takes {a}k+{b} frames ({examples}, ...) "
+            f"up to {limits.max_frames}",
+            param="num_frames",
+        )
+
+
+def check_path_id(request_id: str) -> None:
+    if not REQUEST_ID_PATTERN.match(request_id):
+        raise InvalidRequest(
+            "request_id: must be 1-128 characters of letters, digits, '.', '_', ':' or '-'",
+            param="request_id",
+        )
+
+
+_FORM_JSON = ("extra", "lora")  # fields that are objects: JSON text inside a form
+
+
+async def read_edit_body(request: Request) -> dict[str, Any]:
+    """An edit request's fields from a multipart form or a JSON body."""
+    ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if ctype in ("multipart/form-data", "application/x-www-form-urlencoded"):
+        try:
+            form = await request.form(max_files=4, max_fields=64)
+        except Exception as e:  # a malformed form: starlette raises several types
+            why = type(e).__name__
+            raise InvalidRequest(f"body: not a readable multipart form ({why})", param="body") from None
+        return await _form_fields(form)
+    if ctype in ("application/json", ""):
+        try:
+            body = await request.json()
+        except ValueError:
+            raise InvalidRequest("body: not valid JSON", param="body") from None
+        if not isinstance(body, dict):
+            raise InvalidRequest("body: must be a JSON object", param="body")
+        return body
+    raise InvalidRequest(
+        f"body: content-type {ctype!r} is not taken; send multipart/form-data or application/json",
+        param="body",
+    )
+
+
+async def _form_fields(form) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    images = []
+    for key, value in form.multi_items():
+        data = await value.read() if hasattr(value, "read") else value
+        if key in ("image", "image[]"):
+            images.append(data)
+        elif key in out:
+            raise InvalidRequest(f"{key}: given more than once", param=key)
+        elif key in _FORM_JSON and isinstance(data, str):
+            try:
+                out[key] = json.loads(data)
+            except ValueError:
+                raise InvalidRequest(f"{key}: a JSON object in a form field", param=key) from None
+        else:
+            out[key] = data
+    if images:
+        out["image"] = images
+    return out

@@ -1,0 +1,129 @@
+"""The ingress deployment: the Serve class that holds what one ingress replica shares (the core,
+the jobs desk, the links), and the Python API that handle callers use. HTTP routes live in the
+API modules beside this one and reach this object through Serve's replica context."""
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+from serve_app.config import AppConfig
+from serve_app.ingress import admin, ops, requests
+from serve_app.ingress.checks import validated
+from serve_app.ingress.core import Core
+from serve_app.ingress.http import make_app
+from serve_app.ingress.jobs import JobDesk
+from serve_app.ingress.links import Links
+from serve_app.jobs import Store
+from serve_app.schemas import (
+    BatchGenerationRequest,
+    GenerationRequest,
+    GenerationResult,
+    ModelList,
+    Outcome,
+    RequestState,
+    StatusResponse,
+    StepEvent,
+)
+
+
+class DiffusionIngress:
+    def __init__(self, replica: DeploymentHandle, config: AppConfig | dict[str, Any]):
+        self.cfg = AppConfig.model_validate(config)
+        # Asynchronous jobs and stored outputs (serve_app.jobs); the runner resumes orphaned jobs.
+        self.store = Store(self.cfg.jobs.store)
+        key = self.store.secret("url", self.cfg.jobs.url_secret_env)
+        self.core = Core(replica, self.cfg, key)
+        self.links = Links(self.store, key, self.cfg.jobs)
+        self.desk = JobDesk(self.core, self.store, self.links, lambda rid: self.abort([rid]))
+        # Read by access.py's middleware and route dependency through Serve's replica context.
+        self.access = self.core.access
+        self.max_body_bytes = self.cfg.limits.max_body_bytes
+        self.max_upload_bytes = self.cfg.limits.max_upload_bytes
+
+    # ------------------------------------------------------------------ the Python API (handle callers)
+
+    async def ready(self) -> bool:
+        """Whether at least one engine replica has loaded and warmed its model and is healthy."""
+        return await self.core.ready()
+
+    async def generate(self, request: GenerationRequest | dict[str, Any]) -> GenerationResult:
+        """One prompt. Raises a `ServingError` subclass on any failure."""
+        if isinstance(request, dict):
+            request = validated(GenerationRequest, request)
+        return await self.core.submit(request)
+
+    async def generate_batch(self, request: BatchGenerationRequest | dict[str, Any]) -> GenerationResult:
+        """Several prompts, one parameter set, one engine call, one merged result."""
+        if isinstance(request, dict):
+            request = validated(BatchGenerationRequest, request)
+        return await self.core.submit(request)
+
+    async def generate_stream(
+        self,
+        request: GenerationRequest | BatchGenerationRequest | dict[str, Any],
+        preview_every: int = 0,
+        restart: bool = False,
+    ) -> AsyncIterator[StepEvent | GenerationResult]:
+        """Call with `handle.options(stream=True)`: a `StepEvent` per step, then the result.
+
+        A replica lost mid-stream ends the stream with an error, unless `restart`: then the
+        request runs again elsewhere and its steps count from 1 again."""
+        async for event in self.core.stream(request, preview_every, restart):
+            yield event
+
+    async def models(self) -> ModelList:
+        return await ops.models(self.core)
+
+    async def status(self) -> StatusResponse:
+        return await ops.status(self.core)
+
+    async def abort(self, request_ids: list[str], owner: str | None = None) -> dict[str, str]:
+        """Abort requests by id wherever they are: `aborted`, `finished` or `unknown` per id.
+        With `owner`, only that caller's requests (another caller's are `unknown`).
+
+        Aborted callers get an `Aborted` error (HTTP 499); a running request stops at the next
+        denoising step, and the others in its pipeline call keep going.
+        """
+        return await requests.abort(self.core, request_ids, owner)
+
+    async def request_status(self, request_id: str, owner: str | None = None) -> RequestState:
+        """Where a request is; with `owner`, only that caller's."""
+        return await requests.request_status(self.core, request_id, owner)
+
+    async def start_profile(self, prefix: str = "trace") -> list[Outcome]:
+        """Every live replica starts the torch profiler; per-replica outcomes."""
+        return await admin.start_profile(self.core, prefix)
+
+    async def stop_profile(self) -> list[Outcome]:
+        """Every live replica stops its profiler and writes a trace; the reply lists the files."""
+        return await self.core.fan_out("stop_profile")
+
+    async def collective_rpc(
+        self, method: str, args: list | None = None, kwargs: dict | None = None, timeout: float | None = None
+    ) -> list[Outcome]:
+        """Call `method` on every live replica's engine (only methods it exports)."""
+        return await admin.collective_rpc(self.core, method, args, kwargs, timeout)
+
+    async def add_lora(
+        self, name: str, path: str, scale: float = 1.0, pinned: bool = False
+    ) -> dict[str, Any]:
+        """Register an adapter after checking its file and loading it once on a replica."""
+        return await admin.add_lora(self.core, name, path, scale, pinned)
+
+    async def remove_lora(self, name: str) -> dict[str, Any]:
+        return await admin.remove_lora(self.core, name)
+
+    async def pin_lora(self, name: str, pinned: bool = True) -> dict[str, Any]:
+        return await admin.pin_lora(self.core, name, pinned)
+
+    async def list_loras(self) -> dict[str, Any]:
+        return await admin.list_loras(self.core)
+
+
+# The class stays importable under its own name, so Ray pickles it by reference and the
+# replica imports this module as it is (not a by-value copy of the class).
+DiffusionIngressDeployment = serve.deployment(
+    serve.ingress(make_app())(DiffusionIngress), name="DiffusionIngress"
+)

@@ -1,0 +1,126 @@
+"""The image and video routes (OpenAI Images compatible): generations, batches, edits and
+videos. Each parses its body, and `generate` does the rest the same way for all of them:
+the answer as JSON, as a stream, or as an asynchronous job."""
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from serve_app.errors import InvalidRequest, NotFound
+from serve_app.ingress import present
+from serve_app.ingress.checks import read_edit_body, validated, validation_to_error
+from serve_app.ingress.core import Core, CoreDep
+from serve_app.ingress.jobs import DeskDep, JobDesk, prefers_async
+from serve_app.ingress.openapi import IMAGE_RESPONSES
+from serve_app.schemas import (
+    ImagesBatchRequest,
+    ImagesEditRequest,
+    ImagesGenerationRequest,
+    ImagesResponse,
+    VideosGenerationRequest,
+)
+
+router = APIRouter()
+
+
+@router.post("/v1/images/generations", response_model=ImagesResponse, responses=IMAGE_RESPONSES)
+async def images_generations(
+    body: ImagesGenerationRequest,
+    http: Request,
+    core: CoreDep,
+    desk: DeskDep,
+) -> Response:
+    return await generate(core, desk, body, http, "images.generations")
+
+
+@router.post("/v1/images/generations/batch", response_model=ImagesResponse, responses=IMAGE_RESPONSES)
+async def images_generations_batch(
+    body: ImagesBatchRequest, http: Request, core: CoreDep, desk: DeskDep
+) -> Response:
+    return await generate(core, desk, body, http, "images.generations.batch")
+
+
+@router.post(
+    "/v1/images/edits",
+    response_model=ImagesResponse,
+    responses=IMAGE_RESPONSES,
+    openapi_extra={"requestBody": {"required": True, "content": {
+        kind: {"schema": {"$ref": "#/components/schemas/ImagesEditRequest"}}
+        for kind in ("multipart/form-data", "application/json")
+    }}},
+)  # fmt: skip
+async def images_edits(request: Request, core: CoreDep, desk: DeskDep) -> Response:
+    """OpenAI `images.edit`: an image (and a mask) and a prompt, as a form or as JSON."""
+    edit = validated(ImagesEditRequest, await read_edit_body(request))
+    return await generate(core, desk, edit, request, "images.edits", "image_edit")
+
+
+@router.post("/v1/videos", response_model=ImagesResponse, responses=IMAGE_RESPONSES)
+async def videos_generations(
+    body: VideosGenerationRequest,
+    http: Request,
+    core: CoreDep,
+    desk: DeskDep,
+) -> Response:
+    """A video model's video, answered when it is made (or streamed, like images)."""
+    info = await core.describe()
+    if info.modality != "video":
+        raise InvalidRequest(
+            f"model: {info.model} makes images; use POST /v1/images/generations", param="model"
+        )
+    if body.partial_images is not None:
+        raise InvalidRequest(
+            "partial_images: OpenAI's image stream is for images; a video streams step events",
+            param="partial_images",
+        )
+    if body.seconds is not None and body.num_frames is None:
+        a, b = info.frame_rule or (1, 0)
+        fps = body.fps or info.default_fps or 16
+        k = max(1, round((body.seconds * fps - b) / a))
+        body = body.model_copy(update={"num_frames": a * k + b, "fps": fps})
+    return await generate(core, desk, body, http, "videos")
+
+
+async def generate(
+    core: Core, desk: JobDesk, body, http: Request, route: str, stream_kind: str = "image_generation"
+) -> Response:
+    """An OpenAI-style body answered: as a job with `Prefer: respond-async`, else as events
+    with `stream`, else as one JSON body."""
+    served = core.cfg.model.served_name
+    if body.model is not None and body.model != served:
+        raise NotFound(f"model: {body.model!r} is not served here; available: {served!r}", param="model")
+    try:
+        request = body.to_generation_request()
+    except ValueError as e:  # pydantic ValidationError is a ValueError
+        raise validation_to_error(e.errors()) from None
+    if prefers_async(http):
+        return await desk.submit(body, request, http, route)
+    for name in ("webhook", "webhook_events"):
+        if getattr(body, name) is not None:
+            raise InvalidRequest(
+                f"{name}: only an asynchronous job calls a webhook (send 'Prefer: respond-async')",
+                param=name,
+            )
+    base = desk.links.base_url(http)
+    # Prepared here, once: bad input gets its 400 before a stream opens, and the request
+    # is its caller's (only they, or the admin, may read its state or abort it).
+    request = (await core.prepare(request)).model_copy(update={"owner": core.caller(http)})
+    if body.stream:
+        if body.partial_images is not None:
+            every = present.preview_every(request, body.partial_images)
+            events = present.openai_stream(
+                core.stream(request, every), request, body.partial_images, body.quality, stream_kind
+            )
+        else:
+
+            async def urls(result):
+                return await desk.links.urls(result, body.response_format, base)
+
+            events = present.step_stream(core.stream(request, body.preview_every), request.request_id, urls)
+        return StreamingResponse(
+            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+    result = await core.submit(request)
+    # Serve's proxy sets the X-Request-Id response header to its own request id, which is
+    # ours unless the body chose another one.
+    urls = await desk.links.urls(result, body.response_format, base)
+    return JSONResponse(present.images_response(result, urls))
