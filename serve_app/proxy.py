@@ -11,7 +11,7 @@ It runs in two places:
   fail on: start Ray with
   `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=serve_app.proxy:middlewares` (the README's
   commands do);
-- in the ingress app (`ingress.make_app`), so that a deployment whose proxy runs without it
+- in the ingress app (`serve_app.ingress.http.make_app`), so that a deployment whose proxy runs without it
   still refuses a malformed id the proxy let through.
 """
 

@@ -75,7 +75,7 @@ def test_the_vae_keeps_every_shape_readable(engine):
     """The UNet draws in the VAE's latents, so what a round trip through the VAE blurs away no
     prompt can bring back: on its reconstructions of 200 fresh scenes the checker must still
     read each shape. (The VAE trained 500 steps read 70%, stars 40%.)"""
-    from serve_app.train_tiny import round_trip_reading
+    from serve_app.training.stages import round_trip_reading
 
     got = round_trip_reading(engine.pipe.vae)
     print("shapes read right after a VAE round trip:", got)

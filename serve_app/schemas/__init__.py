@@ -1,0 +1,145 @@
+"""The wire format: every request and result that crosses a process boundary, by API.
+
+* `base`: the base model `_Wire`, constants and patterns, the checked field types;
+* `payloads`: tensors and images as they travel;
+* `generation`: the Python API's requests (`GenerationRequest`, `BatchGenerationRequest`), used
+  by handle callers and mapped onto by the HTTP bodies;
+* `internal`: the hand-offs between the ingress and the replicas (`PreparedRequest`,
+  `GenerationResult`, `StageMetrics`, `StepEvent`, `ModelDescription`);
+* `openai`: the HTTP API, compatible with the OpenAI Images API (`ImagesGenerationRequest`,
+  `ImagesResponse`, the model list, the error body);
+* `control`: status, request state and abort, adapters, profiling and RPC;
+* `jobs`: asynchronous jobs.
+
+Import from here: every name is re-exported.
+"""
+
+from serve_app.schemas.base import (
+    IMAGE_FORMATS,
+    MAX_SEED,
+    MEDIA_TYPES,
+    REQUEST_ID_PATTERN,
+    VIDEO_FORMATS,
+    B64Bytes,
+    Extra,
+    MemoryKind,
+    OutputFormat,
+    Prompt,
+    Prompts,
+    RequestId,
+    new_request_id,
+)
+from serve_app.schemas.base import _b64decode as _b64decode
+from serve_app.schemas.base import _bad_text as _bad_text
+from serve_app.schemas.base import _check_prompt as _check_prompt
+from serve_app.schemas.base import _check_prompts as _check_prompts
+from serve_app.schemas.base import _check_request_id as _check_request_id
+from serve_app.schemas.base import _Wire as _Wire
+from serve_app.schemas.control import (
+    AbortResponse,
+    LoraAdd,
+    LoraPin,
+    Outcome,
+    ProfileStart,
+    ReplicaStats,
+    RequestState,
+    RpcCall,
+    StatusResponse,
+)
+from serve_app.schemas.generation import _LORA_ALIASES as _LORA_ALIASES
+from serve_app.schemas.generation import BatchGenerationRequest, GenerationParams, GenerationRequest, LoraRef
+from serve_app.schemas.generation import _ImageInputs as _ImageInputs
+from serve_app.schemas.internal import (
+    EMBEDS_FIELDS,
+    GenerationResult,
+    ModelDescription,
+    PreparedRequest,
+    StageMetrics,
+    StepEvent,
+)
+from serve_app.schemas.jobs import (
+    FINISHED,
+    Job,
+    JobList,
+    JobOutput,
+    JobRecord,
+    JobState,
+    WebhookDelivery,
+    WebhookEvent,
+)
+from serve_app.schemas.openai import (
+    QUALITY_ACCELERATION,
+    ErrorBody,
+    ErrorResponse,
+    ImageData,
+    ImagesBatchRequest,
+    ImagesEditRequest,
+    ImagesGenerationRequest,
+    ImagesResponse,
+    ModelCard,
+    ModelList,
+    VideosGenerationRequest,
+    parse_size,
+)
+from serve_app.schemas.openai import _ImagesCommon as _ImagesCommon
+from serve_app.schemas.payloads import InputImage, PixelPayload, TensorPayload, Trajectory
+from serve_app.schemas.payloads import _image_bytes as _image_bytes
+
+__all__ = [
+    "EMBEDS_FIELDS",
+    "FINISHED",
+    "IMAGE_FORMATS",
+    "MAX_SEED",
+    "MEDIA_TYPES",
+    "QUALITY_ACCELERATION",
+    "REQUEST_ID_PATTERN",
+    "VIDEO_FORMATS",
+    "AbortResponse",
+    "B64Bytes",
+    "BatchGenerationRequest",
+    "ErrorBody",
+    "ErrorResponse",
+    "Extra",
+    "GenerationParams",
+    "GenerationRequest",
+    "GenerationResult",
+    "ImageData",
+    "ImagesBatchRequest",
+    "ImagesEditRequest",
+    "ImagesGenerationRequest",
+    "ImagesResponse",
+    "InputImage",
+    "Job",
+    "JobList",
+    "JobOutput",
+    "JobRecord",
+    "JobState",
+    "LoraAdd",
+    "LoraPin",
+    "LoraRef",
+    "MemoryKind",
+    "ModelCard",
+    "ModelDescription",
+    "ModelList",
+    "Outcome",
+    "OutputFormat",
+    "PixelPayload",
+    "PreparedRequest",
+    "ProfileStart",
+    "Prompt",
+    "Prompts",
+    "ReplicaStats",
+    "RequestId",
+    "RequestState",
+    "RpcCall",
+    "StageMetrics",
+    "StatusResponse",
+    "StepEvent",
+    "TensorPayload",
+    "Trajectory",
+    "VideosGenerationRequest",
+    "WebhookDelivery",
+    "WebhookEvent",
+    "new_request_id",
+    "parse_size",
+]

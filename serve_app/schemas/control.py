@@ -1,0 +1,90 @@
+"""The control plane's bodies and answers: status (`ReplicaStats`, `StatusResponse`), a request's
+state and its abort, adapters (`LoraAdd`, `LoraPin`), and the calls made on every replica
+(profiling, RPC) with each replica's `Outcome`."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+from serve_app.schemas.base import _Wire
+
+
+class ReplicaStats(BaseModel):
+    """What one replica reports of itself in `GET /v1/status`."""
+
+    replica_id: str
+    node_id: str | None = None
+    queued_requests: int
+    queued_images: int
+    running_requests: int
+    running_images: int
+    healthy: bool
+    health_problem: str | None = None
+    rss_mb: float
+    batching: dict[str, Any]
+    loras_loaded: list[str]
+    loras_loaded_mb: float = 0.0
+    engine_failures_in_a_row: int
+    counts: dict[str, int]
+
+
+class StatusResponse(BaseModel):
+    model: str
+    replicas: list[ReplicaStats]
+    queue_length: int
+
+
+class RequestState(_Wire):
+    """Where a request is: queued (with position), running (step i of n), done, aborted or failed."""
+
+    request_id: str
+    state: Literal["queued", "running", "done", "aborted", "failed"]
+    queue_position: int | None = None
+    step: int = 0
+    total_steps: int = 0
+    images: int | None = None
+    error: str | None = None
+    replica_id: str | None = None
+
+
+class AbortResponse(BaseModel):
+    request_id: str
+    result: Literal["aborted", "finished", "unknown"]
+    message: str
+
+
+class LoraAdd(_Wire):
+    """Body of `POST /v1/loras`."""
+
+    name: str
+    path: str = Field(description="A .safetensors file inside one of the configured lora.allowed_roots.")
+    scale: float = Field(1.0, ge=-10, le=10)
+    pinned: bool = False
+
+
+class LoraPin(_Wire):
+    pinned: bool = True
+
+
+class ProfileStart(_Wire):
+    prefix: str = Field("trace", description="Trace files are named <prefix>-<replica id>-<time>.json.")
+
+
+class RpcCall(_Wire):
+    """Body of `POST /v1/rpc`: call an engine (or worker extension) method on every replica."""
+
+    method: str
+    args: list[Any] = Field(default_factory=list)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    timeout: float | None = Field(None, gt=0)
+
+
+class Outcome(BaseModel):
+    """One replica's answer to a call made on every replica (profiling, RPC)."""
+
+    replica_id: str
+    ok: bool
+    result: Any = None
+    error: str | None = None

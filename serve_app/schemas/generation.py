@@ -1,0 +1,132 @@
+"""The Python API's requests, which handle callers send and the HTTP bodies map onto: the
+sampling parameters (`GenerationParams`), adapters (`LoraRef`) and input images shared by
+`GenerationRequest` (one prompt) and `BatchGenerationRequest` (several)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from serve_app.config import Acceleration
+from serve_app.schemas.base import MAX_SEED, Extra, OutputFormat, Prompts, RequestId, _check_prompt, _Wire
+from serve_app.schemas.payloads import InputImage, TensorPayload
+
+_LORA_ALIASES = {"lora_name": "name", "adapter": "name", "lora_scale": "scale", "lora_path": "path",
+                 "local_path": "path"}  # fmt: skip
+
+
+class LoraRef(_Wire):
+    """Apply a registered adapter to this request only. vLLM-Omni's names for the same fields
+    (`lora_name`, `adapter`, `lora_scale`, `lora_path`, `local_path`, `int_id`) are taken too."""
+
+    name: str = Field(min_length=1, max_length=64)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, v: Any) -> Any:
+        if not isinstance(v, dict):
+            return v
+        out = {k: x for k, x in v.items() if k not in _LORA_ALIASES and k not in ("int_id", "lora_int_id")}
+        for alias, field in _LORA_ALIASES.items():
+            if alias in v and field not in out:
+                out[field] = v[alias]
+        return out
+
+    scale: float | None = Field(None, ge=-10, le=10, description="Default: the adapter's registered scale.")
+    path: str | None = Field(None, description="Filled in by the server from the registry; ignored if sent.")
+
+
+class GenerationParams(_Wire):
+    """Sampling parameters shared by every prompt of one request."""
+
+    negative_prompt: str | None = None
+    height: int | None = Field(None, ge=8, multiple_of=8, description="Pixels; default: the model's.")
+    width: int | None = Field(None, ge=8, multiple_of=8, description="Pixels; default: the model's.")
+    num_inference_steps: int | None = Field(None, ge=1, description="Default: the model's.")
+    guidance_scale: float | None = Field(None, ge=0, description="Default: the model's.")
+    seed: int | None = Field(
+        None, ge=0, le=MAX_SEED, description="Image k of each prompt uses seed + k; default: random."
+    )
+    num_images: int = Field(1, ge=1, description="Images per prompt (OpenAI `n`).")
+    output_format: OutputFormat | None = Field(
+        None, description="Default: png for an image model, mp4 for a video model (webp and gif too)."
+    )
+    num_frames: int | None = Field(None, ge=1, description="Video models: frames; default: the model's.")
+    strength: float | None = Field(
+        None, gt=0, le=1, description="Edits (image-to-image, inpainting): how much of the input to repaint."
+    )
+    # vLLM-Omni's extension fields, so that its clients work unchanged
+    true_cfg_scale: float | None = Field(
+        None, ge=0, le=50, description="True classifier-free guidance, for the pipelines that have it (FLUX)."
+    )
+    generator_device: Literal["cpu", "cuda"] | None = Field(
+        None, description="Where seeded noise is drawn; default the model's device. `cpu` matches CPU runs."
+    )
+    vae_use_slicing: bool = Field(False, description="Decode a batch one image at a time (less memory).")
+    vae_use_tiling: bool = Field(False, description="Decode in tiles (less memory for large images).")
+    fps: int | None = Field(None, ge=1, le=120, description="Video models: frames per second of the file.")
+    return_latents: bool = False
+    return_trajectory: bool = False
+    request_id: RequestId = None
+    extra: Extra = Field(default_factory=dict)
+    lora: LoraRef | None = None
+    loras: list[LoraRef] = Field(
+        default_factory=list, description="Several adapters at once, each at its scale (with `lora` too)."
+    )
+    acceleration: Acceleration | None = Field(
+        None,
+        description="Step caching: `fast` and `faster` reuse the denoiser's block outputs across steps "
+        "(quicker, a little less faithful); default: the deployment's `model.optimizations.step_cache`.",
+    )
+
+
+class _ImageInputs(_Wire):
+    """An input image, for image-to-image and instruction edits, and a mask for inpainting
+    (white, or transparent in an image with alpha, where to paint). Sizes default to the image's."""
+
+    image: InputImage | None = Field(None, description="The image to edit.")
+    mask: InputImage | None = Field(None, description="Where to paint: transparent (alpha) or white.")
+
+    @model_validator(mode="after")
+    def _mask_needs_image(self):
+        if self.mask is not None and self.image is None:
+            raise ValueError("mask needs an image to paint into")
+        return self
+
+
+class GenerationRequest(_ImageInputs, GenerationParams):
+    """One prompt; `num_images` images of it.
+
+    Instead of text, a handle caller (an upstream language-model stage, say) may pass
+    `prompt_embeds` (and `negative_prompt_embeds`) of the shape the model's text encoders make,
+    (1, tokens, hidden), with `pooled_prompt_embeds` (1, width) for the families that also
+    condition on a pooled vector (SDXL, SD3, FLUX); `prompt` is then only a label.
+    `GET /v1/models` and `describe()` give the shapes.
+    """
+
+    prompt_embeds: TensorPayload | None = None
+    negative_prompt_embeds: TensorPayload | None = None
+    pooled_prompt_embeds: TensorPayload | None = None
+    negative_pooled_prompt_embeds: TensorPayload | None = None
+    prompt: str = ""  # after the embeddings, so that its check can see them
+
+    @field_validator("prompt")
+    @classmethod
+    def _text_or_embeds(cls, v: str, info) -> str:
+        if info.data.get("prompt_embeds") is None:
+            _check_prompt(v)
+            for name in ("negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds"):
+                if info.data.get(name) is not None:
+                    raise ValueError(f"{name} needs prompt_embeds too")
+        return v
+
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt]
+
+
+class BatchGenerationRequest(_ImageInputs, GenerationParams):
+    """Several prompts, one parameter set, one engine call, one merged result."""
+
+    prompts: Prompts

@@ -1,0 +1,210 @@
+"""The HTTP API compatible with OpenAI's: the bodies of the images and videos routes, which map
+onto the Python API (`to_generation_request`), their answer (`ImagesResponse`), the model list
+and the error body. Extension fields are grouped and marked."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from serve_app.config import Acceleration
+from serve_app.errors import InvalidRequest
+from serve_app.schemas.base import MemoryKind, OutputFormat, Prompt, Prompts
+from serve_app.schemas.generation import BatchGenerationRequest, GenerationParams, GenerationRequest
+from serve_app.schemas.internal import StageMetrics
+from serve_app.schemas.payloads import InputImage, TensorPayload, Trajectory
+
+# OpenAI's `quality` as a step-caching level (`auto`, `standard`: the deployment's default).
+QUALITY_ACCELERATION: dict[str, Acceleration | None] = {
+    "high": "none", "hd": "none", "medium": "fast", "low": "faster", "auto": None, "standard": None
+}  # fmt: skip
+
+
+def parse_size(size: str) -> tuple[int, int]:
+    """`"512x768"` -> (width=512, height=768)."""
+    m = re.fullmatch(r"\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*", size)
+    if not m:
+        raise ValueError("must look like 'WIDTHxHEIGHT', e.g. '512x512', or be 'auto'")
+    return int(m.group(1)), int(m.group(2))
+
+
+class _ImagesCommon(GenerationParams):
+    """The OpenAI Images fields, plus this server's sampling parameters (`GenerationParams`)."""
+
+    # OpenAI fields
+    model: str | None = None
+    num_images: int = Field(1, ge=1, alias="n", description="Images per prompt (OpenAI `n`).")
+    size: str | None = Field(None, description="'WIDTHxHEIGHT' or 'auto'.")
+    response_format: Literal["b64_json", "url"] = Field(
+        "b64_json", description="'url' answers with a data: URL, since nothing is stored server-side."
+    )
+    quality: Literal["auto", "high", "medium", "low", "hd", "standard"] | None = Field(
+        None,
+        description="OpenAI's quality: `high`/`hd` turn step caching off, `medium` is `acceleration: "
+        "fast`, `low` is `faster`; `auto`/`standard` leave the deployment's default. "
+        "`acceleration` wins when both are given.",
+    )
+    # OpenAI fields accepted for compatibility and ignored by diffusion models
+    style: str | None = None
+    user: str | None = None
+    background: str | None = None
+    moderation: str | None = None
+    output_compression: int | None = Field(None, ge=0, le=100)
+    # Extensions: streaming
+    stream: bool = Field(
+        False, description="Answer with Server-Sent Events: a step event per step, then the result."
+    )
+    preview_every: int = Field(0, ge=0, description="With `stream`: a preview image every k steps (0: none).")
+    # Extensions: asynchronous jobs (with the header `Prefer: respond-async`)
+    webhook: str | None = Field(
+        None, max_length=2048, description="Asynchronous jobs: a URL to POST the job to when it finishes."
+    )
+    webhook_events: list[Literal["start", "progress", "completed"]] | None = Field(
+        None, max_length=3, description="Which events call the webhook (default: completed)."
+    )
+    partial_images: int | None = Field(
+        None,
+        ge=0,
+        le=3,
+        description="With `stream`: speak OpenAI's image stream (`image_generation.partial_image` "
+        "events, then `image_generation.completed` per image) with this many partial images.",
+    )
+
+    @field_validator("size")
+    @classmethod
+    def _size_form(cls, v: str | None) -> str | None:
+        if v is not None and v != "auto":
+            parse_size(v)
+        return v
+
+    def _params(self) -> dict[str, Any]:
+        """The `GenerationParams` of this body, `size` folded into width and height."""
+        params = {name: getattr(self, name) for name in GenerationParams.model_fields}
+        if self.acceleration is None and self.quality is not None:
+            params["acceleration"] = QUALITY_ACCELERATION[self.quality]
+        if self.size and self.size != "auto":
+            w, h = parse_size(self.size)
+            if (self.width is not None and self.width != w) or (self.height is not None and self.height != h):
+                raise InvalidRequest(
+                    f"size: {self.size} disagrees with width/height; give one or the other", param="size"
+                )
+            params.update(width=w, height=h)
+        return params
+
+
+class ImagesGenerationRequest(_ImagesCommon):
+    """Body of `POST /v1/images/generations`."""
+
+    prompt: Prompt
+
+    def to_generation_request(self) -> GenerationRequest:
+        """Build the Python API request; its validators run again on the mapped fields."""
+        return GenerationRequest(prompt=self.prompt, **self._params())
+
+
+class ImagesEditRequest(_ImagesCommon):
+    """Body of `POST /v1/images/edits`, as a multipart form (files `image` or `image[]` and `mask`)
+    or as JSON (the images as base64 or `data:` URLs). A mask makes it an inpainting; without
+    one, an edit model (FLUX.1 Kontext) edits by the prompt and other models remake the image
+    (image-to-image, `strength`)."""
+
+    prompt: Prompt
+    image: list[InputImage] = Field(min_length=1, description="The image to edit (one).")
+    mask: InputImage | None = Field(None, description="Where to paint: transparent (alpha) or white.")
+    # OpenAI edit fields accepted for compatibility and ignored by diffusion models
+    input_fidelity: str | None = None
+
+    @field_validator("image", mode="before")
+    @classmethod
+    def _one_or_more(cls, v: Any) -> Any:
+        return v if isinstance(v, list) else [v]
+
+    def to_generation_request(self) -> GenerationRequest:
+        if len(self.image) > 1:
+            raise InvalidRequest(
+                f"image: {len(self.image)} images; an edit here takes one image", param="image"
+            )
+        return GenerationRequest(prompt=self.prompt, image=self.image[0], mask=self.mask, **self._params())
+
+
+class VideosGenerationRequest(ImagesGenerationRequest):
+    """Body of `POST /v1/videos`: a prompt to a video model, answered when the video is made."""
+
+    seconds: float | None = Field(
+        None, gt=0, le=600, description="Length; sets `num_frames` at the model's rule and `fps`."
+    )
+
+
+class ImagesBatchRequest(_ImagesCommon):
+    """Body of `POST /v1/images/generations/batch`: several prompts, one parameter set."""
+
+    prompts: Prompts
+
+    def to_generation_request(self) -> BatchGenerationRequest:
+        return BatchGenerationRequest(prompts=self.prompts, **self._params())
+
+
+class ImageData(BaseModel):
+    b64_json: str | None = None
+    url: str | None = None
+    revised_prompt: str | None = None
+    # Extensions
+    seed: int
+    prompt_index: int
+
+
+class ImagesResponse(BaseModel):
+    created: int
+    data: list[ImageData]
+    # Extensions
+    model: str
+    request_id: str
+    output_format: OutputFormat
+    metrics: StageMetrics
+    peak_memory_mb: float
+    peak_memory_kind: MemoryKind
+    latents: TensorPayload | None = None
+    trajectory: Trajectory | None = None
+    attempts: int = 1
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "diffusion-serve"
+    # Extensions
+    source: str
+    family: str = Field(description="sd, sdxl, sd3, flux, wan, or the pipeline's class for others.")
+    modalities: list[Literal["image", "video"]] = Field(description="What the model makes.")
+    tasks: list[str] = Field(description="generate, and the edits it does: img2img, inpaint, edit.")
+    inputs: list[str] = Field(description="What a request may give the model (embeddings: handle calls).")
+    embeds_shapes: dict[str, list[int]] | None = Field(
+        None, description="Shapes of `prompt_embeds` (and `pooled_prompt_embeds`) the model takes."
+    )
+    default_height: int
+    default_width: int
+    default_steps: int
+    default_num_frames: int | None = None
+    accelerations: list[Acceleration] = Field(
+        default_factory=lambda: ["none"], description="The `acceleration` levels the model offers."
+    )
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+    request_id: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
