@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from serve_app.engine.engine import CallParams, EngineOutput, JoinedRun, Row, StepHook
+from serve_app.engine.types import CallParams, EngineOutput, Row, StepHook
+
+if TYPE_CHECKING:
+    from serve_app.engine.runs import JoinedRun
 
 
 class Engine(Protocol):

@@ -1,0 +1,115 @@
+"""LoRA adapters in a pipeline: reading and checking their files, installing and removing them,
+and putting a set of them in force at given scales.
+
+Each refusal is a `LoraError` that names the file and says why.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from serve_app.engine.types import CallParams, LoraError, Row
+
+# Adapters in force: (name, scale) each, in name order, no scale 0; None for the base model.
+ActiveSet = tuple[tuple[str, float], ...] | None
+
+
+def loaded_adapters(pipe) -> list[str]:
+    """The names of the adapters installed in `pipe`."""
+    return sorted({n for names in pipe.get_list_adapters().values() for n in names})
+
+
+def read_adapter(pipe, path: str) -> dict[str, torch.Tensor]:
+    """Read and check an adapter's weights (a diffusers/peft LoRA safetensors file, or a PEFT
+    adapter directory) without touching the pipeline: safe on any thread. LoraError if
+    unusable."""
+    from safetensors import SafetensorError
+
+    try:
+        state = _adapter_weights(pipe, path)
+    except (SafetensorError, OSError, ValueError) as e:
+        raise LoraError(f"{path}: not a readable safetensors file or adapter directory ({e})") from None
+    ups = [v for k, v in state.items() if "lora" in k and ("up" in k or "lora_B" in k)]
+    if not ups:
+        raise LoraError(f"{path}: no LoRA weights in it (no lora up/B tensors)")
+    if all(float(v.abs().max()) == 0 for v in ups):
+        raise LoraError(f"{path}: every LoRA up/B weight is zero; it would change no layer")
+    return state
+
+
+def install_adapter(pipe, name: str, path: str, state: dict[str, torch.Tensor]) -> None:
+    """Install adapter `name` into `pipe` from `state` (what `read_adapter` gave for `path`), or
+    raise LoraError and leave no part of it installed."""
+    before = loaded_adapters(pipe)
+    try:
+        pipe.load_lora_weights(state, adapter_name=name)
+    except Exception as e:  # diffusers/peft raise several types on shape or key mismatch
+        remove_adapter(pipe, name)
+        if "NoMatching" in type(e).__name__ or "not found in the base model" in str(e):
+            raise LoraError(f"{path}: its keys match no layer of {type(pipe).__name__}") from None
+        msg = " ".join(str(e).split())
+        msg = msg if len(msg) < 300 else msg[:300] + " ..."
+        raise LoraError(f"{path}: does not fit {type(pipe).__name__} ({type(e).__name__}: {msg})") from None
+    if name not in loaded_adapters(pipe) or loaded_adapters(pipe) == before:
+        remove_adapter(pipe, name)
+        raise LoraError(f"{path}: its keys match no layer of {type(pipe).__name__}")
+
+
+def remove_adapter(pipe, name: str) -> None:
+    """Remove adapter `name` from `pipe`, if it is installed."""
+    if name in loaded_adapters(pipe):
+        pipe.delete_adapters(name)
+
+
+def set_active_adapters(pipe, loras: tuple[tuple[str, float], ...], active: ActiveSet) -> ActiveSet:
+    """Make exactly these adapters active at their scales, in name order (none, or every
+    scale 0: the base model, bit for bit). `active` is what is in force now (nothing is done
+    when it is what `loras` asks for); returns what is in force after."""
+    want = tuple(sorted((n, s) for n, s in loras if s != 0)) or None
+    if want == active:
+        return active
+    if want is None:
+        if loaded_adapters(pipe):
+            pipe.disable_lora()
+    else:
+        pipe.enable_lora()
+        pipe.set_adapters([n for n, _ in want], [s for _, s in want])
+    return want
+
+
+def row_adapter_sets(rows: Sequence[Row], params: CallParams) -> list[tuple[tuple[str, float], ...]]:
+    """Each row's adapters (its own `Row.adapters`, else the call's `params.loras`), in name
+    order and without those at scale 0."""
+    return [tuple(sorted((n, sc) for n, sc in r.adapters or params.loras if sc != 0)) for r in rows]
+
+
+def _adapter_weights(pipe, path: str) -> dict[str, torch.Tensor]:
+    """An adapter's weights under the pipeline's key names. A PEFT directory's keys lose
+    PEFT's `base_model.model.` and gain the denoiser's prefix, and its `lora_alpha / r` is
+    folded into the B weights (diffusers loads a plain state dict at alpha = r)."""
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    if not folder.is_dir():
+        return load_file(path)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
+        raise LoraError(f"{path}: a {config.get('peft_type')} adapter (or DoRA); only plain LoRA is loaded")
+    if config.get("rank_pattern") or config.get("alpha_pattern"):
+        raise LoraError(f"{path}: per-layer ranks or alphas (rank_pattern, alpha_pattern) are not loaded")
+    r = config.get("r")
+    if not isinstance(r, int) or r < 1:
+        raise LoraError(f"{path}: adapter_config.json has no rank r")
+    factor = float(config.get("lora_alpha", r)) / r
+    prefix = "unet" if getattr(pipe, "unet", None) is not None else "transformer"
+    out = {}
+    for key, value in load_file(str(folder / "adapter_model.safetensors")).items():
+        key = key.removeprefix("base_model.model.")
+        if "lora_B" in key and factor != 1.0:
+            value = value * factor
+        out[key if key.startswith(f"{prefix}.") else f"{prefix}.{key}"] = value
+    return out

@@ -1,0 +1,220 @@
+"""Loading a model: the device and dtype, the pipeline, its scheduler and optimizations, and the
+pipelines derived from it for the other tasks.
+
+Every refusal is a `ModelLoadError` that names the setting to change.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from serve_app.config import BUILTIN_PREFIX, ModelConfig
+from serve_app.engine.step_cache import LEVELS
+from serve_app.engine.types import TASKS, ModelLoadError
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(cfg: ModelConfig) -> torch.device:
+    if cfg.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("model.device is 'cuda' but no CUDA device is visible to this replica")
+    return torch.device(cfg.device)
+
+
+def resolve_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.float16 if device.type == "cuda" else torch.float32
+    return _DTYPES[cfg.dtype]
+
+
+def prepare_pipeline(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
+    """The configured pipeline, ready to call: loaded, with the configured scheduler, no
+    progress bar and the configured optimizations."""
+    pipe = load_pipeline(cfg, device, dtype)
+    if cfg.scheduler:
+        pipe.scheduler = scheduler_class(cfg.scheduler).from_config(pipe.scheduler.config)
+    pipe.set_progress_bar_config(disable=True)
+    apply_optimizations(pipe, cfg.optimizations, device)
+    return pipe
+
+
+def load_pipeline(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
+    """Load from `builtin:<name>`, a local diffusers directory, or a hub id."""
+    src = cfg.source
+    if src.startswith(BUILTIN_PREFIX):
+        from serve_app.engine.builtin import build_builtin
+
+        pipe = build_builtin(src[len(BUILTIN_PREFIX) :], device=device, seed=cfg.seed)
+        return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+
+    from diffusers import DiffusionPipeline
+
+    looks_local = src.startswith(("/", "./", "../", "~")) or Path(src).expanduser().exists()
+    if looks_local:
+        path = Path(src).expanduser()
+        if not path.is_dir():
+            raise ModelLoadError(f"model.source: {src!r} is not a directory")
+        if not (path / "model_index.json").is_file():
+            raise ModelLoadError(f"model.source: {src!r} has no model_index.json; not a diffusers pipeline")
+        src = str(path)
+    try:
+        pipe = DiffusionPipeline.from_pretrained(
+            src,
+            dtype=dtype,
+            revision=cfg.revision,
+            variant=cfg.variant,
+            local_files_only=cfg.local_files_only,
+        )
+    except Exception as e:  # diffusers raises many types here; all mean "cannot load"
+        raise ModelLoadError(f"model.source: cannot load {src!r}: {type(e).__name__}: {e}") from e
+    return pipe.to(device)
+
+
+def scheduler_class(name: str):
+    """The diffusers scheduler class called `name`; ValueError if there is none."""
+    import diffusers
+
+    cls = getattr(diffusers, name, None)
+    if not (inspect.isclass(cls) and issubclass(cls, diffusers.SchedulerMixin)):
+        raise ValueError(
+            f"model.scheduler: {name!r} is not a diffusers scheduler class (e.g. 'EulerDiscreteScheduler')"
+        )
+    return cls
+
+
+def denoiser_name(pipe) -> str:
+    """The pipeline's name for the module its denoising loop calls every step."""
+    for name in ("unet", "transformer", "prior"):
+        if isinstance(getattr(pipe, name, None), torch.nn.Module):
+            return name
+    raise ModelLoadError(f"{type(pipe).__name__} has no unet or transformer")
+
+
+def find_denoiser(pipe) -> torch.nn.Module:
+    """The module the denoising loop calls every step: a UNet or a transformer."""
+    return getattr(pipe, denoiser_name(pipe))
+
+
+def apply_optimizations(pipe, opt, device: torch.device) -> None:
+    """The accelerations named in `model.optimizations`; each refuses clearly when it cannot apply."""
+    denoiser = find_denoiser(pipe)
+    if opt.channels_last:
+        for mod in (denoiser, getattr(pipe, "vae", None)):
+            if mod is not None:
+                mod.to(memory_format=torch.channels_last)
+    if opt.vae_slicing:
+        pipe.vae.enable_slicing()
+    if opt.vae_tiling:
+        pipe.vae.enable_tiling()
+    if opt.attention_backend:
+        if not hasattr(denoiser, "set_attention_backend"):
+            raise ModelLoadError(
+                "model.optimizations.attention_backend: this denoiser cannot switch backends"
+            )
+        try:
+            denoiser.set_attention_backend(opt.attention_backend)
+        except Exception as e:
+            raise ModelLoadError(f"model.optimizations.attention_backend: {e}") from None
+    if opt.quantize != "none":
+        quantize_denoiser(denoiser, opt.quantize, device)
+    if opt.cpu_offload == "model":
+        pipe.enable_model_cpu_offload(device=device)
+    elif opt.cpu_offload == "sequential":
+        pipe.enable_sequential_cpu_offload(device=device)
+    if opt.compile_denoiser:
+        denoiser.compile()  # in place: hooks registered on the module keep working
+
+
+# torchao's configurations for `model.optimizations.quantize`.
+_QUANTIZERS = {
+    "int8_weight_only": "Int8WeightOnlyConfig",
+    "int8_dynamic": "Int8DynamicActivationInt8WeightConfig",
+    "float8_weight_only": "Float8WeightOnlyConfig",
+}
+
+
+def quantize_denoiser(denoiser: torch.nn.Module, kind: str, device: torch.device) -> None:
+    """Quantize the denoiser's linear layers in place with torchao (weights converted once)."""
+    field = "model.optimizations.quantize"
+    if kind.startswith("float8") and (
+        device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)
+    ):
+        raise ModelLoadError(f"{field}: {kind} needs a CUDA GPU of compute capability 8.9 or newer")
+    try:
+        import torchao.quantization as tq
+    except ImportError:
+        raise ModelLoadError(f"{field}: {kind} needs torchao (pip install torchao)") from None
+    try:
+        tq.quantize_(denoiser, getattr(tq, _QUANTIZERS[kind])())
+    except Exception as e:
+        raise ModelLoadError(f"{field}: torchao could not quantize this denoiser: {e}") from None
+
+
+def offered_accelerations(denoiser: torch.nn.Module, cache_blocks: list[str], opt) -> tuple[str, ...]:
+    """The step-caching levels calls may ask for (`step_cache.LEVELS`, or only "none"), given
+    the denoiser's `cache_blocks`; ModelLoadError if `model.optimizations.step_cache` is not
+    one of them."""
+    # Step caching needs blocks to cache, and a denoiser torch.compile has not frozen.
+    cacheable = cache_blocks and not opt.compile_denoiser
+    levels: tuple[str, ...] = LEVELS if cacheable else ("none",)
+    if opt.step_cache not in levels:
+        raise ModelLoadError(
+            f"model.optimizations.step_cache: {type(denoiser).__name__} has no blocks "
+            "to cache" + (" (or is compiled: compile_denoiser)" if opt.compile_denoiser else "")
+        )
+    return levels
+
+
+def derived_pipelines(pipe) -> dict[str, Any]:
+    """The pipeline of each task this model can do, all sharing the loaded modules (diffusers'
+    `from_pipe`: no second copy of any weight). A pipeline that takes an image itself (an
+    instruction-edit model) does its edits; others get image-to-image and inpainting."""
+    from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting
+
+    out = {"generate": pipe}
+    if "image" in inspect.signature(pipe.__call__).parameters:
+        out["edit"] = pipe
+    for task, auto in (("img2img", AutoPipelineForImage2Image), ("inpaint", AutoPipelineForInpainting)):
+        if task == "img2img" and "edit" in out:
+            continue
+        unet = getattr(pipe, "unet", None)
+        if task == "inpaint" and unet is not None and unet.config.in_channels not in (4, 9):
+            continue  # diffusers' UNet inpainting takes 4 latent channels (or 9 with the mask)
+        try:
+            derived = auto.from_pipe(pipe)
+        except Exception:  # no such pipeline for this family in diffusers
+            continue
+        if "image" not in inspect.signature(derived.__call__).parameters:  # e.g. video-to-video
+            continue
+        derived.set_progress_bar_config(disable=True)
+        out[task] = derived
+    return out
+
+
+def model_tasks(task_pipes: dict[str, Any]) -> list[str]:
+    """The tasks that have a pipeline in `task_pipes`, in the order of TASKS."""
+    return [t for t in TASKS if t in task_pipes]
+
+
+def native_size(pipe, cfg: ModelConfig) -> tuple[int, int]:
+    """The configured size, else the model's: what an embedded twin says, the pipeline
+    call's own defaults (video pipelines have them), or its sample size times the VAE's scale."""
+    h, w = getattr(pipe, "native_size", (None, None))
+    if h is None:
+        params = inspect.signature(pipe.__call__).parameters
+        h, w = (getattr(params.get(k), "default", None) for k in ("height", "width"))
+    if not (isinstance(h, int) and isinstance(w, int)):
+        scale = getattr(pipe, "vae_scale_factor", 8)
+        sample = getattr(pipe, "default_sample_size", None)
+        if sample is None:
+            sample = getattr(getattr(pipe, "unet", None), "config", {}).get("sample_size", 64)
+        if isinstance(sample, list | tuple):
+            sample = sample[0]
+        h = w = int(sample) * int(scale)
+    return cfg.default_height or h, cfg.default_width or w

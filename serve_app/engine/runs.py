@@ -1,0 +1,348 @@
+"""Running pipeline calls: a whole call over a batch of rows, and joined runs, where each row is
+its own call and the rows share the denoiser at every step (`joining`).
+
+Every row gets its own `torch.Generator`, so an image depends only on its prompt, the
+parameters and its seed. A call's timings say where its time went: text encoding (up to the
+first denoiser call), denoising (up to the end of the last step) and the VAE decode after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from serve_app.engine.families import Family, image_latents
+from serve_app.engine.joining import Seat, StepBatch
+from serve_app.engine.loading import denoiser_name, find_denoiser
+from serve_app.engine.media import encode_image
+from serve_app.engine.memory import PeakMemory
+from serve_app.engine.step_cache import NoCache, step_cache
+from serve_app.engine.types import CallParams, EngineOutput, InvalidArguments, Row, StepHook
+
+
+class _StopCall(Exception):
+    """Raised from the step callback to leave the pipeline at once (no VAE decode)."""
+
+
+# What a pipeline raises for arguments it cannot take; with `extra` set, diffusers passes the
+# caller's values deep into the call, so these types are taken as the caller's mistake then too.
+_ARGUMENT_ERRORS = (ValueError, TypeError, KeyError, IndexError, AssertionError)
+
+# Puts a call's adapters in force for its rows (`DiffusionEngine._row_adapters`); returns the undo.
+AdapterSetUp = Callable[[Sequence[Row], CallParams], Callable[[], None]]
+
+
+def latents_preview(latents: torch.Tensor) -> bytes:
+    """A cheap look at (batch, channels, height, width) latents mid-denoise: the first three
+    channels, scaled, as one PNG strip.
+
+    No VAE call: it costs microseconds at the latents' resolution (1/8 of the image's side).
+    """
+    x = latents.detach().float()[:, :3].cpu()
+    if x.shape[1] < 3:
+        x = x[:, :1].repeat(1, 3, 1, 1)
+    lo, hi = x.amin(dim=(1, 2, 3), keepdim=True), x.amax(dim=(1, 2, 3), keepdim=True)
+    x = ((x - lo) / (hi - lo).clamp_min(1e-6) * 255).round().to(torch.uint8)
+    strip = torch.cat(list(x), dim=2).permute(1, 2, 0).numpy()  # images side by side
+    from PIL import Image
+
+    return encode_image(Image.fromarray(strip), "png")
+
+
+def vae_modes(pipe, params: CallParams) -> Callable[[], None]:
+    """Turn on the VAE modes this call asks for and the model lacks; returns the undo."""
+    vae, undo = getattr(pipe, "vae", None), []
+    modes = ((params.vae_slicing, "use_slicing", "enable_slicing", "disable_slicing"),
+             (params.vae_tiling, "use_tiling", "enable_tiling", "disable_tiling"))  # fmt: skip
+    for flag, attr, on, off in modes:
+        if flag and not getattr(vae, attr, False) and hasattr(vae, on):
+            getattr(vae, on)()
+            undo.append(getattr(vae, off))
+
+    def restore() -> None:
+        for fn in undo:
+            fn()
+
+    return restore
+
+
+@dataclass
+class _CallState:
+    t0: float = 0.0
+    total: int = 0  # the steps the call runs, as the pipeline counts them once it has begun
+    denoise_start: float | None = None
+    denoise_end: float | None = None
+    steps_run: int = 0
+    last_latents: torch.Tensor | None = None
+    trajectory: list[torch.Tensor] = field(default_factory=list)
+    timesteps: list[float] = field(default_factory=list)
+
+
+class Runner:
+    """The pipeline calls of one engine: `pipe` is the loaded pipeline (its denoiser gets a hook
+    that marks when denoising starts; `close` removes it) and `task_pipes` the pipeline of each
+    task, all sharing its modules. On the engine thread only."""
+
+    def __init__(
+        self,
+        pipe,
+        task_pipes: dict[str, Any],
+        family: Family,
+        device: torch.device,
+        dtype: torch.dtype,
+        default_num_frames: int | None,
+        cache_blocks: list[str],
+    ):
+        self.pipe = pipe
+        self.task_pipes = task_pipes
+        self.family = family
+        self.device = device
+        self.dtype = dtype
+        self.video = family.modality == "video"
+        self.default_num_frames = default_num_frames
+        self.cache_blocks = cache_blocks
+        # Every argument each task's call takes, reserved ones included (read once, not per call).
+        self.accepts = {
+            task: frozenset(inspect.signature(p.__call__).parameters) for task, p in task_pipes.items()
+        }
+        self.memory = PeakMemory(device)
+        self._state: _CallState | None = None
+        denoiser = find_denoiser(pipe)
+        self._denoiser_attr = denoiser_name(pipe)
+        self._hook_handle = denoiser.register_forward_pre_hook(self._on_denoiser_call)
+
+    def whole(
+        self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None, adapters: AdapterSetUp
+    ) -> EngineOutput:
+        """One pipeline call over `rows`, with their adapters put in force by `adapters`;
+        raises whatever the pipeline raises."""
+        if not rows:
+            raise ValueError("run() needs at least one row")
+        st = _CallState(t0=time.perf_counter())
+        pipe = self.task_pipes[params.task]
+        with contextlib.ExitStack() as undo:  # the call's set-up, undone whatever happens
+            undo.callback(adapters(rows, params))
+            undo.callback(vae_modes(self.pipe, params))
+            cache = undo.enter_context(
+                step_cache(find_denoiser(pipe), pipe, params.acceleration, params.steps, self.cache_blocks)
+            )
+            self._state = st
+            self.memory.start()
+            try:
+                return self.call(rows, params, step_hook, pipe, cache, st)
+            finally:
+                self._state = None
+
+    def row_call(self, row: Row, params: CallParams, step_hook: StepHook | None, stand_in) -> EngineOutput:
+        """One row's own pipeline call in a joined run, with `stand_in` as its denoiser and a
+        scheduler of its own (the pipeline keeps a call's state on itself: a shallow copy each)."""
+        st = _CallState(t0=time.perf_counter())
+
+        def started() -> None:
+            if st.denoise_start is None:
+                st.denoise_start = time.perf_counter()
+
+        stand_in.on_call = started
+        pipe = copy.copy(self.task_pipes[params.task])
+        pipe.__dict__[self._denoiser_attr] = stand_in
+        pipe.__dict__["scheduler"] = copy.deepcopy(pipe.scheduler)
+        return self.call([row], params, step_hook, pipe, NoCache(), st)
+
+    def call(
+        self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None, pipe, cache, st: _CallState
+    ) -> EngineOutput:
+        """Call `pipe` over `rows` with `cache` as its step cache, keeping time and steps in `st`."""
+        st.total = params.steps
+        kwargs = self._inputs(rows, params)
+        gen_device = params.generator_device or self.device
+        generators = [torch.Generator(gen_device).manual_seed(r.seed) for r in rows]
+        try:
+            out = pipe(
+                **kwargs,
+                height=params.height,
+                width=params.width,
+                num_inference_steps=params.steps,
+                guidance_scale=params.guidance_scale,
+                generator=generators,
+                output_type="pil",
+                callback_on_step_end=self._step_end(params, step_hook, cache, st),
+                callback_on_step_end_tensor_inputs=["latents"],
+                **dict(params.extra),
+            )
+            made = getattr(out, self.family.output_attr)
+            images = [list(v) for v in made] if self.video else list(made)
+        except _StopCall:
+            images = []
+        except _ARGUMENT_ERRORS as e:
+            # Checks of the inputs run before the first denoising step and raise ValueError.
+            if (st.denoise_start is None and isinstance(e, ValueError)) or params.extra:
+                raise InvalidArguments(f"the pipeline refused the arguments: {type(e).__name__}: {e}") from e
+            raise
+        return self._output(images, params, st)
+
+    def _step_end(self, params: CallParams, step_hook: StepHook | None, cache, st: _CallState):
+        """The pipeline's callback at the end of every step: the step hook, the step cache, the
+        trajectory and final latents asked for, and the end of denoising."""
+
+        def on_step_end(pipe, i, t, kwargs):
+            # An image-to-image call runs only the last `strength` of the schedule.
+            st.total = getattr(pipe, "num_timesteps", None) or st.total
+            latents = kwargs["latents"]
+            st.steps_run = i + 1
+            cache.step_done()
+            if params.return_trajectory:
+                st.trajectory.append(latents.detach().float().cpu())
+                st.timesteps.append(float(t))
+            last = i + 1 == st.total
+            if step_hook is not None and step_hook(i, st.total, self._viewable(latents, params)):
+                raise _StopCall
+            if last:
+                if params.return_latents:
+                    st.last_latents = latents.detach().float().cpu()
+                self._sync()
+                st.denoise_end = time.perf_counter()
+            return {}
+
+        return on_step_end
+
+    def _inputs(self, rows: Sequence[Row], params: CallParams) -> dict[str, Any]:
+        """The call's arguments that depend on its rows and task, not the shared size and steps."""
+        fam = self.family
+        accepts = self.accepts[params.task]
+        kwargs = self._text_inputs(rows)
+        if params.task != "generate":
+            kwargs.update(self._image_inputs(rows, params, accepts))
+        if "max_area" in accepts:  # Kontext scales sizes to it
+            kwargs["max_area"] = params.height * params.width
+        if fam.count_arg:
+            kwargs[fam.count_arg] = 1
+        if self.video:
+            kwargs["num_frames"] = params.num_frames or self.default_num_frames
+        return kwargs
+
+    def _text_inputs(self, rows: Sequence[Row]) -> dict[str, Any]:
+        """The call's text arguments: prompts, or precomputed embeddings (every row or none)."""
+        if rows[0].prompt_embeds is None:
+            negatives = [r.negative_prompt for r in rows]
+            return {
+                "prompt": [r.prompt for r in rows],
+                "negative_prompt": None
+                if all(n is None for n in negatives)
+                else [n or "" for n in negatives],
+            }
+        cast = {"device": self.device, "dtype": self.dtype}
+        out = {}
+        for name in (
+            "prompt_embeds", "negative_prompt_embeds", "pooled_prompt_embeds", "negative_pooled_prompt_embeds"
+        ):  # fmt: skip
+            parts = [getattr(r, name) for r in rows]
+            if all(p is not None for p in parts):
+                out[name] = torch.cat(parts).to(**cast)
+        return out
+
+    @staticmethod
+    def _image_inputs(rows: Sequence[Row], params: CallParams, accepts: frozenset[str]) -> dict[str, Any]:
+        out: dict[str, Any] = {"image": [r.image for r in rows]}
+        if params.task == "inpaint":
+            out["mask_image"] = [r.mask for r in rows]
+        if params.strength is not None and "strength" in accepts:
+            out["strength"] = params.strength
+        if "_auto_resize" in accepts:  # Kontext would resize inputs to ~1 MP; the sizes are ours
+            out["_auto_resize"] = False
+        return out
+
+    def _output(self, images: list[Any], params: CallParams, st: _CallState) -> EngineOutput:
+        """The call's output, timed from `st`; the call has just returned."""
+        end = time.perf_counter()
+        start = st.denoise_start or st.t0
+        denoise_end = st.denoise_end or end
+        timings = {
+            "text_encode_ms": (start - st.t0) * 1e3,
+            "denoise_ms": (denoise_end - start) * 1e3,
+            "vae_decode_ms": (end - denoise_end) * 1e3,
+            "pipeline_ms": (end - st.t0) * 1e3,
+        }
+        return EngineOutput(
+            images=list(images),
+            timings_ms=timings,
+            peak_memory_mb=self.memory.stop(),
+            memory_kind=self.memory.kind,
+            latents=st.last_latents,
+            trajectory_latents=st.trajectory if params.return_trajectory else None,
+            trajectory_timesteps=st.timesteps if params.return_trajectory else None,
+            steps_run=st.steps_run,
+            interrupted=st.steps_run < st.total,
+        )
+
+    def _viewable(self, latents: torch.Tensor, params: CallParams) -> torch.Tensor:
+        return image_latents(self.pipe, self.family, latents, params.height, params.width)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _on_denoiser_call(self, module, args) -> None:
+        st = self._state
+        if st is not None and st.denoise_start is None:
+            self._sync()
+            st.denoise_start = time.perf_counter()
+
+    def close(self) -> None:
+        """Remove the hook on the denoiser."""
+        self._hook_handle.remove()
+
+
+class JoinedRun:
+    """Calls that share one `CallParams` run joined (`joining.StepBatch`): a row is added
+    between two steps and is its own pipeline call, with its own step hook; `step` runs one
+    denoising step of every row and returns the rows that ended. On the engine thread only.
+
+    `row_call(row, params, step_hook, stand_in)` runs a row's call with `stand_in` as its
+    denoiser (the engine's `_row_call`), `apply_adapters(adapters)` puts the run's adapters in
+    force, and `restore` undoes the run's set-up when it closes."""
+
+    def __init__(
+        self,
+        params: CallParams,
+        adapters: tuple,
+        denoiser: torch.nn.Module,
+        row_call: Callable[..., EngineOutput],
+        apply_adapters: Callable[[tuple], None],
+        restore: Callable[[], None],
+    ):
+        self.params = params
+        self.adapters = adapters
+        self._row_call = row_call
+        self._apply_adapters = apply_adapters
+        self._restore = restore
+        self.batch = StepBatch(denoiser, _StopCall)
+
+    @property
+    def active(self) -> int:
+        return self.batch.active
+
+    def add(self, row: Row, step_hook: StepHook | None = None, params: CallParams | None = None) -> Seat:
+        """Start `row`; its `Seat` holds its `EngineOutput` (or error) once it has ended. Its
+        own `params` may differ from the run's in what one row's call decides alone (steps,
+        guidance, strength, the outputs asked for); the rest must be the run's."""
+        params = params or self.params
+        self._apply_adapters(self.adapters)
+        return self.batch.add(lambda stand_in: self._row_call(row, params, step_hook, stand_in))
+
+    def step(self) -> list[Seat]:
+        self._apply_adapters(self.adapters)  # in case something between steps changed them
+        return self.batch.step()
+
+    def close(self) -> None:
+        """Stop the rows still running (they end interrupted) and undo the run's set-up."""
+        try:
+            self.batch.close()
+        finally:
+            self._restore()
