@@ -277,3 +277,44 @@ def test_webhook_targets_without_an_allow_list():
         assert asyncio.run(post(by_name, b"{}", b"", 5.0, False))[0] == 204  # with an allow-list
     finally:
         rx.close()
+
+
+def test_a_job_just_stored_is_not_resumed_before_its_lease_is_written(tmp_path):
+    """An ingress stores a new job's record, then its lease: a resume pass in between (of this
+    ingress or another) must not take the job for an orphan and run it a second time. A record
+    that got no lease within a lease's time is an orphan."""
+    from serve_app.config import JobsConfig
+    from serve_app.jobs import JobRunner
+    from serve_app.schemas import PreparedRequest
+
+    store = Store(str(tmp_path / "s"))
+    cfg = JobsConfig(store=str(tmp_path / "s"), lease_s=30)
+    ran: list[str] = []
+
+    async def stream(request):
+        ran.append(request.request_id)
+        yield None
+
+    async def nothing(_):
+        return None
+
+    async def scenario():
+        runner = JobRunner(store, cfg, stream, nothing, lambda job: job)
+        runner.start()
+        prepared = PreparedRequest(request_id="r", prompts=["a"], height=32, width=32, num_inference_steps=2,
+                                   guidance_scale=1.0, seed=1, num_images=1, output_format="png",
+                                   negative_prompt=None)  # fmt: skip
+        for job_id, age in (("job_" + "a" * 32, 1.0), ("job_" + "b" * 32, 31.0)):
+            job = JobRecord(id=job_id, route="r", model="m", state="queued", created_at=time.time() - age,
+                            request_id="r", output_format="png", owner="another")  # fmt: skip
+            store.save_request(job_id, prepared)
+            assert store.create_job(job)
+        await runner._resume_orphans()
+        resumed = {job_id: store.load_job(job_id).attempts for job_id in store.keys()}
+        runner._loop_task.cancel()
+        for task in list(runner.tasks.values()):
+            task.cancel()
+        return resumed
+
+    resumed = asyncio.run(scenario())
+    assert resumed == {"job_" + "a" * 32: 1, "job_" + "b" * 32: 2}, resumed  # attempt 1: not taken

@@ -10,10 +10,10 @@ import torch
 from serve_app import metrics
 from serve_app.engine import EngineOutput
 from serve_app.engine.engine import latents_preview
+from serve_app.replica.intake import work
 from serve_app.replica.scheduler import Job
 from serve_app.schemas import (
     GenerationResult,
-    PreparedRequest,
     StageMetrics,
     StepEvent,
     TensorPayload,
@@ -90,7 +90,7 @@ def joined_output(parts: list[EngineOutput]) -> EngineOutput:
 def build_result(
     job: Job, out: EngineOutput, images: list[bytes], encode_ms: float, model: str
 ) -> GenerationResult:
-    request: PreparedRequest = job.payload[0]
+    request = work(job).request
     t = out.timings_ms
     stage = StageMetrics(
         queue_ms=(job.started - job.enqueued) * 1e3,

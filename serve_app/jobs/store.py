@@ -1,0 +1,201 @@
+"""The job store: job records, the prepared requests that make them, and output files, on a
+file system every ingress replica shares (a local directory by default, any fsspec URL for a
+cluster). Job ids and request digests are made here too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import posixpath
+import secrets
+import time
+import uuid
+from typing import Any
+
+import fsspec
+
+from serve_app.schemas import MEDIA_TYPES, GenerationResult, JobRecord, PreparedRequest
+
+JOB_PREFIX = "job_"
+
+
+def job_id_for(idempotency_key: str | None, caller: str) -> str:
+    """A new job id, or with an idempotency key the same id for the same key and caller."""
+    if idempotency_key is None:
+        return JOB_PREFIX + uuid.uuid4().hex
+    digest = hashlib.sha256(f"{caller}\0{idempotency_key}".encode()).hexdigest()
+    return JOB_PREFIX + digest[:32]
+
+
+def body_hash(body: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class Store:
+    """Records and files under one root: `objects/<key>/` per job or stored result, holding
+    `job.json` (jobs), `request.json` (jobs), `meta.json` and the outputs `<index>.<format>`."""
+
+    def __init__(self, url: str):
+        self.fs, root = fsspec.core.url_to_fs(os.path.expanduser(url))
+        self.root = root.rstrip("/")
+        self.fs.makedirs(self._path("objects"), exist_ok=True)
+
+    def _path(self, *parts: str) -> str:
+        return posixpath.join(self.root, *parts)
+
+    def _write(self, path: str, data: bytes) -> None:
+        # Write then rename, so a reader on another process never sees half a record.
+        tmp = f"{path}.{uuid.uuid4().hex[:8]}.tmp"
+        with self.fs.open(tmp, "wb") as f:
+            f.write(data)
+        self.fs.mv(tmp, path)
+
+    def _create(self, path: str, data: bytes) -> bool:
+        """Write `path` only if nothing is there yet (True), else leave it (False): the one
+        writer that wins a race is the only one that gets True."""
+        try:
+            with self.fs.open(path, "xb") as f:
+                f.write(data)
+            return True
+        except FileExistsError:
+            return False
+        except (ValueError, NotImplementedError):  # a file system without exclusive create
+            if self.fs.exists(path):
+                return False
+            self._write(path, data)
+            return True
+
+    def _read(self, path: str) -> bytes | None:
+        try:
+            with self.fs.open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    # ------------------------------------------------------------------ secrets
+
+    def secret(self, name: str, env: str) -> bytes:
+        """A signing key: from the environment variable `env`, else one made once and kept in
+        the store (every ingress sharing the store shares it)."""
+        if os.environ.get(env):
+            return os.environ[env].encode()
+        path = self._path(f"{name}.key")
+        self._create(path, secrets.token_hex(32).encode())  # the first ingress's key is everyone's
+        return self._read(path)
+
+    # ------------------------------------------------------------------ jobs
+
+    def save_job(self, job: JobRecord) -> None:
+        self.fs.makedirs(self._path("objects", job.id), exist_ok=True)
+        self._write(self._path("objects", job.id, "job.json"), job.model_dump_json().encode())
+
+    def create_job(self, job: JobRecord) -> bool:
+        """Store a new job; False if a job with its id exists (an idempotency key reused)."""
+        self.fs.makedirs(self._path("objects", job.id), exist_ok=True)
+        return self._create(self._path("objects", job.id, "job.json"), job.model_dump_json().encode())
+
+    def load_job(self, job_id: str) -> JobRecord | None:
+        data = self._read(self._path("objects", job_id, "job.json"))
+        return JobRecord.model_validate_json(data) if data is not None else None
+
+    def jobs(self) -> list[JobRecord]:
+        out = []
+        for key in self.keys():
+            if key.startswith(JOB_PREFIX) and (job := self.load_job(key)) is not None:
+                out.append(job)
+        return sorted(out, key=lambda j: j.created_at, reverse=True)
+
+    def renew(self, job_id: str, owner: str, until: float) -> None:
+        """The lease: its owner promises to renew it before `until` (a file of its own, so that
+        renewing never rewrites the job's record)."""
+        self._write(self._path("objects", job_id, "lease.json"), json.dumps([owner, until]).encode())
+
+    def lease(self, job_id: str) -> tuple[str, float] | None:
+        data = self._read(self._path("objects", job_id, "lease.json"))
+        return tuple(json.loads(data)) if data is not None else None
+
+    def claim(self, job_id: str, attempt: int, owner: str) -> bool:
+        """Take over attempt `attempt` of a job: only one ingress wins it."""
+        return self._create(self._path("objects", job_id, f"claim.{attempt}"), owner.encode())
+
+    def save_request(self, job_id: str, request: PreparedRequest) -> None:
+        self.fs.makedirs(self._path("objects", job_id), exist_ok=True)
+        self._write(self._path("objects", job_id, "request.json"), request.model_dump_json().encode())
+
+    def load_request(self, job_id: str) -> PreparedRequest | None:
+        data = self._read(self._path("objects", job_id, "request.json"))
+        return PreparedRequest.model_validate_json(data) if data is not None else None
+
+    # ------------------------------------------------------------------ outputs
+
+    def put_outputs(self, key: str, result: GenerationResult) -> list[tuple[str, int]]:
+        """Store a result's files under `key`; (file name, size) of each, in order."""
+        self.fs.makedirs(self._path("objects", key), exist_ok=True)
+        # The date first: retention must never take files being written for an old one.
+        meta = {"created": time.time(), "format": result.output_format, "count": len(result.images)}
+        self._write(self._path("objects", key, "meta.json"), json.dumps(meta).encode())
+        names = []
+        for i, data in enumerate(result.images):
+            name = f"{i}.{result.output_format}"
+            self._write(self._path("objects", key, name), data)
+            names.append((name, len(data)))
+        return names
+
+    def get_output(self, key: str, name: str) -> tuple[bytes, str] | None:
+        """A stored file and its content type; None if there is none."""
+        stem, _, fmt = name.partition(".")
+        if not stem.isdigit() or fmt not in MEDIA_TYPES:
+            return None
+        data = self._read(self._path("objects", key, name))
+        return (data, MEDIA_TYPES[fmt]) if data is not None else None
+
+    # ------------------------------------------------------------------ retention
+
+    def keys(self) -> list[str]:
+        try:
+            return [
+                posixpath.basename(p.rstrip("/")) for p in self.fs.ls(self._path("objects"), detail=False)
+            ]
+        except FileNotFoundError:
+            return []
+
+    def delete(self, key: str) -> None:
+        try:
+            self.fs.rm(self._path("objects", key), recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def usage(self) -> list[tuple[str, float, int, bool]]:
+        """(key, created, bytes, finished) of everything stored."""
+        out = []
+        for key in self.keys():
+            files = self.fs.find(self._path("objects", key), detail=True)
+            size = sum(int(info.get("size") or 0) for info in files.values())
+            job = self.load_job(key) if key.startswith(JOB_PREFIX) else None
+            if job is not None:
+                out.append((key, job.finished_at or job.created_at, size, job.finished))
+                continue
+            meta = self._read(self._path("objects", key, "meta.json"))
+            # No date yet: just created (or a job's record still being written); keep it.
+            created = json.loads(meta)["created"] if meta else time.time()
+            out.append((key, created, size, meta is not None or not key.startswith(JOB_PREFIX)))
+        return out
+
+    def prune(self, max_age_s: float, max_bytes: float, now: float | None = None) -> list[str]:
+        """Delete finished things older than `max_age_s`, then the oldest finished ones until
+        the total is under `max_bytes`. Unfinished jobs are never deleted. Returns the keys."""
+        now = now if now is not None else time.time()
+        items = sorted(self.usage(), key=lambda it: it[1])
+        gone = [k for k, created, _, done in items if done and now - created > max_age_s]
+        total = sum(size for k, _, size, _ in items if k not in gone)
+        for key, _, size, done in items:
+            if total <= max_bytes:
+                break
+            if done and key not in gone:
+                gone.append(key)
+                total -= size
+        for key in gone:
+            self.delete(key)
+        return gone

@@ -1,0 +1,248 @@
+"""The replica's engine loop: it takes the scheduler's next batch, runs it on the engine thread
+and answers its requests, one call at a time.
+
+A batch runs as one whole call (its rows in pipeline calls of at most `max_batch_images`), or
+as a joined call when step-level joining is on: queued requests of the same kind join it
+between two denoising steps, and each request is answered as soon as its own rows are done.
+Either way the call ends the same way: the scheduler hears of it, and after a fatal device
+error the replica leaves, or after failures in a row it runs its self-test.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from serve_app import metrics
+from serve_app.config import BatchingConfig
+from serve_app.engine import CallParams, Engine, EngineOutput, Row
+from serve_app.errors import EngineFailure, ServingError
+from serve_app.replica.adapters import AdapterResidency
+from serve_app.replica.health import Health
+from serve_app.replica.intake import work
+from serve_app.replica.results import joined_output, row_hooks, step_hook
+from serve_app.replica.scheduler import Job, Scheduler
+
+
+@dataclasses.dataclass(eq=False)
+class _Member:
+    """A request in a joined call: its rows' seats and the most rows and requests it ran with."""
+
+    job: Job
+    seats: list = dataclasses.field(default_factory=list)
+    images: int = 0
+    requests: int = 0
+
+
+class EngineLoop:
+    """Runs the scheduler's batches on the engine thread, the only thread that runs torch.
+
+    `leave` is called after a fatal device error, once every queued request has been handed
+    back: it ends the replica (Serve starts another).
+    """
+
+    def __init__(
+        self,
+        engine: Engine,
+        scheduler: Scheduler,
+        adapters: AdapterResidency,
+        health: Health,
+        engine_thread: ThreadPoolExecutor,
+        leave: Callable[[asyncio.AbstractEventLoop], None],
+    ):
+        self.engine, self.scheduler, self.adapters, self.health = engine, scheduler, adapters, health
+        self._engine_thread = engine_thread
+        self._leave = leave
+
+    @property
+    def batching(self) -> BatchingConfig:
+        return self.scheduler.batching
+
+    async def run(self) -> None:
+        """Run batches until cancelled; one call's failure fails its requests, not the loop."""
+        loop = asyncio.get_running_loop()
+        while True:
+            batch = await self.scheduler.next_batch()
+            try:
+                if self._joins(batch):
+                    await self._run_joined(batch, loop)
+                else:
+                    await self._run_whole(batch, loop)
+            finally:
+                self.health.call_started = None
+                self.scheduler.call_ended(batch)
+                metrics.set_queue_length(self.engine.model_name, self.scheduler.queue_length())
+            await self._after_call(loop)
+
+    async def _after_call(self, loop: asyncio.AbstractEventLoop) -> None:
+        """After a fatal device error: hand every queued request back (the ingress sends them to
+        another replica) and leave. After failures in a row: run the self-test, a call of its own
+        (a self-test that hangs makes the replica unhealthy like any call)."""
+        if self.health.fatal:
+            for job in list(self.scheduler.queue):
+                self.scheduler.fail(job, self.health.lost())
+            self._leave(loop)
+        elif self.health.needs_self_test:
+            self.health.call_started = time.monotonic()
+            try:
+                await loop.run_in_executor(self._engine_thread, self.health.self_test, self.engine)
+            finally:
+                self.health.call_started = None
+
+    def _hold_adapters(self, batch: list[Job]) -> None:
+        """On the engine thread: load the adapters of the call's requests this replica lacks.
+        The scheduler puts at most max_loaded in a call, and none of them is evicted to make
+        room for another."""
+        refs = [ref for job in batch for ref in work(job).request.loras]
+        names = {ref.name for ref in refs}
+        for ref in refs:
+            self.adapters.hold(ref.name, ref.path, keep=names)
+
+    # ------------------------------------------------------------------ whole calls
+
+    async def _run_whole(self, batch: list[Job], loop: asyncio.AbstractEventLoop) -> None:
+        """Run `batch` as one call and answer each request with its slice of the output."""
+        rows = [r for j in batch for r in j.rows]
+        hook = step_hook(batch, loop)
+        try:
+            self.health.call_started = time.monotonic()
+            out = await loop.run_in_executor(self._engine_thread, self._run_call, batch, rows, hook)
+        except Exception as e:  # one call's failure; the loop goes on
+            err = self.health.classify(e, batch[0].request_id, len(rows), work(batch[0]).params)
+            for job in batch:
+                if job.state == "running":
+                    self.scheduler.fail(job, err)
+            return
+        self.health.consecutive_failures = 0
+        self._deliver(batch, out)
+
+    def _run_call(self, batch: list[Job], rows: list[Row], hook) -> EngineOutput:
+        """On the engine thread: load the call's adapters if this replica lacks them, then run
+        the rows in pipeline calls of at most `max_batch_images` (one call unless one job is
+        larger)."""
+        params = work(batch[0]).params
+        self._hold_adapters(batch)
+        size = self.batching.max_batch_images
+        chunks = [rows[k : k + size] for k in range(0, len(rows), size)]
+        parts = []
+        for k, chunk in enumerate(chunks):
+            offset = k * params.steps  # progress counts on across the calls of one request
+            part = self.engine.run(chunk, params, lambda i, n, x, o=offset: hook(o + i, n * len(chunks), x))
+            metrics.observe_batch(self.engine.model_name, len(chunk))
+            parts.append(part)
+            if part.interrupted:
+                break
+        out = EngineOutput.concat(parts)
+        out.batch_images = max(len(c) for c in chunks)
+        out.pipeline_calls = len(parts)
+        return out
+
+    def _deliver(self, batch: list[Job], out: EngineOutput) -> None:
+        start = 0
+        for job in batch:
+            part = out.slice(start, start + len(job.rows))
+            start += len(job.rows)
+            part.batch_requests = len(batch)
+            if job.state != "running":  # aborted during the call: its images are dropped
+                continue
+            self.scheduler.retire(job, "done")
+            if not job.future.done():
+                job.future.set_result(part)
+
+    # ------------------------------------------------------------------ step-level joining
+
+    def _joins(self, batch: list[Job]) -> bool:
+        """Whether `batch` runs joined: the setting is on, the engine can join its calls, and
+        its rows fit one call and share one adapter set (joiners must have the same)."""
+        rows = [r for j in batch for r in j.rows]
+        return (
+            self.batching.step_joining
+            and len(rows) <= self.batching.max_batch_images
+            and all(r.adapters == rows[0].adapters for r in rows)
+            and self.engine.can_join(work(batch[0]).params)
+        )
+
+    async def _run_joined(self, batch: list[Job], loop: asyncio.AbstractEventLoop) -> None:
+        """Run `batch` as a joined call: between two denoising steps, queued requests of the
+        same kind join it (up to `max_batch_images` rows), and each request is answered as soon
+        as its own rows are done."""
+        params, adapters = work(batch[0]).params, batch[0].rows[0].adapters
+        members: dict[int, _Member] = {}  # by id(job): request ids are unique per owner only
+        joining, run = batch, None
+        self.health.call_started = time.monotonic()
+
+        on_engine = functools.partial(loop.run_in_executor, self._engine_thread)
+        # What requests still running at the end get: they lost their call (the loop stopped,
+        # a fatal error) and their rows ended unfinished, or the call failed as a whole.
+        lost: ServingError = EngineFailure("engine error: the call stopped before this request was done")
+        try:
+            run = await on_engine(self._open_joined, batch, params, adapters)
+            while True:
+                await on_engine(self._joined_step, run, batch, joining, members, loop)
+                joining = []
+                self.health.call_started = time.monotonic()
+                self._settle(members, params)
+                if not run.active or self.health.fatal:
+                    break
+                room = self.batching.max_batch_images - run.active
+                joining = self.scheduler.take_joiners(
+                    batch[0].join_key, room, lambda j: all(r.adapters == adapters for r in j.rows)
+                )
+        except Exception as e:  # the run could not start or go on (an adapter failed to load)
+            lost = self.health.classify(e, batch[0].request_id, len(batch[0].rows), params)
+        finally:
+            if run is not None:
+                await on_engine(run.close)
+            for job in [*batch, *joining, *(m.job for m in members.values())]:
+                if job.state == "running":
+                    self.scheduler.fail(job, lost)
+
+    def _open_joined(self, batch: list[Job], params: CallParams, adapters):
+        self._hold_adapters(batch)
+        return self.engine.open_joined(params, tuple(sorted((n, s) for n, s in adapters if s != 0)))
+
+    def _joined_step(self, run, batch: list[Job], joining: list[Job], members: dict, loop) -> None:
+        """On the engine thread: add the joining requests' rows, then run one step of all. The
+        run's adapters are held again first: an admin call between two steps may have evicted
+        or switched them (the run puts its own set back in force at every step)."""
+        self._hold_adapters(batch)
+        for job in joining:
+            m = members[id(job)] = _Member(job)
+            hooks = row_hooks(job, loop)
+            m.seats = [
+                run.add(row, hook, work(job).params) for row, hook in zip(job.rows, hooks, strict=True)
+            ]
+        metrics.observe_batch(self.engine.model_name, run.active)
+        for m in members.values():
+            m.images = max(m.images, run.active)
+            m.requests = max(m.requests, len(members))
+        run.step()
+
+    def _settle(self, members: dict[int, _Member], params: CallParams) -> None:
+        """Answer each request of a joined call whose rows have all ended. One failed denoiser
+        call fails every request in it with one error, counted once."""
+        errors: dict[int, ServingError] = {}
+        for key, m in list(members.items()):
+            if not all(seat.done for seat in m.seats):
+                continue
+            del members[key]
+            job = m.job
+            self.scheduler.left(job)
+            if job.state != "running":  # aborted during the call: its images are dropped
+                continue
+            error = next((seat.error for seat in m.seats if seat.error is not None), None)
+            if error is not None:
+                if id(error) not in errors:
+                    errors[id(error)] = self.health.classify(error, job.request_id, len(job.rows), params)
+                self.scheduler.fail(job, errors[id(error)])
+                continue
+            self.health.consecutive_failures = 0
+            out = joined_output([seat.output for seat in m.seats])
+            out.batch_images, out.batch_requests = m.images, m.requests
+            self.scheduler.retire(job, "done")
+            if not job.future.done():
+                job.future.set_result(out)
