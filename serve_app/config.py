@@ -64,6 +64,12 @@ class ModelConfig(_Strict):
         description="`builtin:<name>`, a local diffusers directory, or a Hugging Face hub id.",
     )
     name: str | None = Field(None, description="Model name served in /v1/models; default from `source`.")
+    aliases: list[str] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Other names requests may give for this model in `model` (clients with a fixed "
+        "name, e.g. `dall-e-2`, `dall-e-3`, `gpt-image-1`); listed in /v1/models.",
+    )
     revision: str | None = None
     variant: str | None = Field(None, description="Weights variant for hub/local loads, e.g. `fp16`.")
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -113,6 +119,26 @@ class ModelConfig(_Strict):
             allowed = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)
             raise ValueError(f"unknown builtin model {v!r}; allowed: {allowed}")
         return v
+
+    @field_validator("aliases")
+    @classmethod
+    def _alias_names(cls, v: list[str]) -> list[str]:
+        for alias in v:
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._:/-]{0,127}", alias):
+                raise ValueError(f"{alias!r}: 1-128 letters, digits, '.', '_', ':', '/' or '-'")
+        if len(set(v)) < len(v):
+            raise ValueError("an alias is listed twice")
+        return v
+
+    @model_validator(mode="after")
+    def _aliases_differ(self):
+        if self.served_name in self.aliases:
+            raise ValueError(f"aliases: {self.served_name!r} is the model's own name")
+        return self
+
+    def answers_to(self, name: str) -> bool:
+        """Whether a request's `model` names this model: its served name or one of its aliases."""
+        return name == self.served_name or name in self.aliases
 
     @property
     def served_name(self) -> str:

@@ -42,6 +42,8 @@ TEST_ARGS = {
         "default_width": 32,
         "default_steps": 3,
         "warmup_steps": 1,
+        # The names OpenAI clients send unless told otherwise (test_openai_clients.py).
+        "aliases": ["dall-e-2", "dall-e-3", "gpt-image-1"],
         "engine_extension": "serve_app.testing:FaultInjection",
         # One torch thread per replica: with several replicas, the test process and Ray on two
         # cores, more threads only wait on each other (measured: the suite's CPU time 736 s -> 589 s).

@@ -233,9 +233,9 @@ def test_body_that_is_not_json(client):
 
 
 def test_unknown_model_is_404(client):
-    r = client.post(GEN, json={"prompt": "a", "model": "dall-e-3"})
+    r = client.post(GEN, json={"prompt": "a", "model": "stable-cascade"})  # dall-e-3 is an alias here
     assert r.status_code == 404
-    assert "dall-e-3" in r.json()["error"]["message"] and "tiny-sd" in r.json()["error"]["message"]
+    assert "stable-cascade" in r.json()["error"]["message"] and "tiny-sd" in r.json()["error"]["message"]
 
 
 def test_engine_error_is_500_with_request_id_and_replica_keeps_serving(client):

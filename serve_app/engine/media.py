@@ -50,15 +50,19 @@ def _png(im: Any) -> bytes:
     )
 
 
-def encode_image(im: Any, fmt: str) -> bytes:
-    """A PIL image to bytes."""
+_QUALITY = 90  # JPEG and WebP, unless the request gives `output_compression`
+
+
+def encode_image(im: Any, fmt: str, quality: int | None = None) -> bytes:
+    """A PIL image to bytes; `quality` (0-100) for the lossy formats."""
     if fmt == "png":
         return _png(im)
     buf = io.BytesIO()
+    q = _QUALITY if quality is None else quality
     if fmt == "jpeg":
-        im.convert("RGB").save(buf, format="JPEG", quality=90)
+        im.convert("RGB").save(buf, format="JPEG", quality=q)
     elif fmt == "webp":
-        im.save(buf, format="WEBP", quality=90)
+        im.save(buf, format="WEBP", quality=q)
     else:
         raise ValueError(f"output_format must be one of {', '.join(IMAGE_FORMATS)} for an image, not {fmt!r}")
     return buf.getvalue()
@@ -82,7 +86,7 @@ def _mp4(frames: list[Any], fps: int) -> bytes:
     return buf.getvalue()
 
 
-def encode_video(frames: list[Any], fmt: str, fps: int) -> bytes:
+def encode_video(frames: list[Any], fmt: str, fps: int, quality: int | None = None) -> bytes:
     """PIL frames to a video file: MP4 (H.264), or animated WebP or GIF through Pillow."""
     if fmt == "mp4":
         return _mp4(frames, fps)
@@ -90,15 +94,16 @@ def encode_video(frames: list[Any], fmt: str, fps: int) -> bytes:
         raise ValueError(f"output_format must be one of {', '.join(VIDEO_FORMATS)} for a video, not {fmt!r}")
     buf = io.BytesIO()
     first, *rest = frames
-    kw = {"quality": 90} if fmt == "webp" else {}
+    kw = {"quality": _QUALITY if quality is None else quality} if fmt == "webp" else {}
     first.save(
         buf, format=fmt.upper(), save_all=True, append_images=rest, duration=round(1000 / fps), loop=0, **kw
     )
     return buf.getvalue()
 
 
-def encode_output(item: Any, fmt: str, fps: int | None = None) -> bytes:
-    """One row's result as bytes: a PIL image, or a video as a list of PIL frames."""
+def encode_output(item: Any, fmt: str, fps: int | None = None, quality: int | None = None) -> bytes:
+    """One row's result as bytes: a PIL image, or a video as a list of PIL frames. `quality`:
+    JPEG and WebP (still or animated), 0-100."""
     if isinstance(item, list):
-        return encode_video(item, fmt, fps or 16)
-    return encode_image(item, fmt)
+        return encode_video(item, fmt, fps or 16, quality)
+    return encode_image(item, fmt, quality)

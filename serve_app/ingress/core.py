@@ -303,7 +303,7 @@ def _request_id() -> str:
     return rid if rid and REQUEST_ID_PATTERN.match(rid) else new_request_id()
 
 
-def get_core() -> Core:
+async def get_core() -> Core:
     """Route dependency: the core of the ingress this process serves (Serve's replica context)."""
     return servable().core
 

@@ -85,8 +85,9 @@ async def generate(
 ) -> Response:
     """An OpenAI-style body answered: as a job with `Prefer: respond-async`, else as events
     with `stream`, else as one JSON body."""
-    served = core.cfg.model.served_name
-    if body.model is not None and body.model != served:
+    model = core.cfg.model
+    if body.model is not None and not model.answers_to(body.model):
+        served = model.served_name
         raise NotFound(f"model: {body.model!r} is not served here; available: {served!r}", param="model")
     try:
         request = body.to_generation_request()
@@ -108,14 +109,14 @@ async def generate(
         if body.partial_images is not None:
             every = present.preview_every(request, body.partial_images)
             events = present.openai_stream(
-                core.stream(request, every), request, body.partial_images, body.quality, stream_kind
+                core.stream(request, every), request, body.partial_images, stream_kind
             )
         else:
 
             async def urls(result):
                 return await desk.links.urls(result, body.response_format, base)
 
-            events = present.step_stream(core.stream(request, body.preview_every), request.request_id, urls)
+            events = present.step_stream(core.stream(request, body.preview_every), request, urls)
         return StreamingResponse(
             events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
         )
@@ -123,4 +124,4 @@ async def generate(
     # Serve's proxy sets the X-Request-Id response header to its own request id, which is
     # ours unless the body chose another one.
     urls = await desk.links.urls(result, body.response_format, base)
-    return JSONResponse(present.images_response(result, urls))
+    return JSONResponse(present.images_response(result, urls, request))

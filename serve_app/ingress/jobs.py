@@ -181,7 +181,7 @@ class JobDesk:
                 return
 
 
-def get_desk() -> JobDesk:
+async def get_desk() -> JobDesk:
     """Route dependency: the jobs desk of the ingress this process serves."""
     return servable().desk
 

@@ -26,6 +26,7 @@ async def models(core: Core) -> ModelList:
         inputs=info.inputs,
         embeds_shapes=info.embeds_shapes(),
         default_num_frames=info.default_num_frames,
+        aliases=core.cfg.model.aliases,
         default_height=info.default_height,
         default_width=info.default_width,
         default_steps=info.default_steps,

@@ -11,21 +11,15 @@ from typing import Any
 
 from serve_app.ingress import sse
 from serve_app.schemas import (
+    SERVED_QUALITY,
     AbortResponse,
     GenerationResult,
     ImageData,
     ImagesResponse,
+    ImagesUsage,
     PreparedRequest,
     StepEvent,
 )
-
-# OpenAI's completed event counts tokens; a diffusion model has none to count.
-_NO_TOKENS = {
-    "input_tokens": 0,
-    "input_tokens_details": {"image_tokens": 0, "text_tokens": 0},
-    "output_tokens": 0,
-    "total_tokens": 0,
-}
 
 _ABORT_MESSAGES = {
     "aborted": "aborted; its caller gets an 'aborted' error",
@@ -41,7 +35,19 @@ def _rows(result: GenerationResult):
     return zip(result.images, result.seeds, result.prompt_index, strict=True)
 
 
-def images_response(result: GenerationResult, urls: list[str] | None) -> dict[str, Any]:
+def served(request: PreparedRequest) -> dict[str, Any]:
+    """What a request was served at, as OpenAI's gpt-image responses say it."""
+    return {
+        "background": "opaque",
+        "output_format": request.output_format,
+        "quality": SERVED_QUALITY.get(request.acceleration, "high"),
+        "size": f"{request.width}x{request.height}",
+    }
+
+
+def images_response(
+    result: GenerationResult, urls: list[str] | None, request: PreparedRequest
+) -> dict[str, Any]:
     """The OpenAI body of a result: each image as base64, or as a link when `urls` are given."""
     data = []
     for i, (img, seed, idx) in enumerate(_rows(result)):
@@ -50,9 +56,10 @@ def images_response(result: GenerationResult, urls: list[str] | None) -> dict[st
     resp = ImagesResponse(
         created=result.created,
         data=data,
+        **served(request),
+        usage=ImagesUsage(),
         model=result.model,
         request_id=result.request_id,
-        output_format=result.output_format,
         metrics=result.metrics,
         peak_memory_mb=result.peak_memory_mb,
         peak_memory_kind=result.peak_memory_kind,
@@ -64,7 +71,7 @@ def images_response(result: GenerationResult, urls: list[str] | None) -> dict[st
 
 
 def step_stream(
-    events: Events, request_id: str, urls: Callable[[GenerationResult], Awaitable[list[str] | None]]
+    events: Events, request: PreparedRequest, urls: Callable[[GenerationResult], Awaitable[list[str] | None]]
 ) -> AsyncIterator[str]:
     """The project's stream: a `step` event per denoising step, then a `result` event with
     the OpenAI body."""
@@ -74,9 +81,9 @@ def step_stream(
             if isinstance(item, StepEvent):
                 yield {"type": "step", **item.model_dump(mode="json", exclude_none=True)}
             else:
-                yield {"type": "result", **images_response(item, await urls(item))}
+                yield {"type": "result", **images_response(item, await urls(item), request)}
 
-    return sse.frame(items(), dict, request_id)
+    return sse.frame(items(), dict, request.request_id)
 
 
 def preview_every(request: PreparedRequest, partial_images: int) -> int:
@@ -85,16 +92,11 @@ def preview_every(request: PreparedRequest, partial_images: int) -> int:
 
 
 def openai_stream(
-    events: Events, request: PreparedRequest, partial_images: int, quality: str | None, kind: str
+    events: Events, request: PreparedRequest, partial_images: int, kind: str
 ) -> AsyncIterator[str]:
     """OpenAI's image stream: `partial_images` previews spread over the steps
     (`<kind>.partial_image`), then one `<kind>.completed` per image."""
-    common = {
-        "background": "opaque",
-        "output_format": request.output_format,
-        "quality": quality if quality in ("low", "medium", "high") else "auto",
-        "size": f"{request.width}x{request.height}",
-    }
+    common = served(request)
 
     async def items() -> AsyncIterator[dict[str, Any]]:
         sent = 0
@@ -116,7 +118,7 @@ def openai_stream(
                     "type": f"{kind}.completed",
                     "b64_json": base64.b64encode(img).decode("ascii"),
                     "created_at": item.created,
-                    "usage": _NO_TOKENS,
+                    "usage": ImagesUsage().model_dump(),
                     **common,
                     "seed": seed,
                     "prompt_index": idx,

@@ -176,7 +176,8 @@ class JobRunner:
             self._admitting.pop(task, None)
 
     async def _execute(self, job: JobRecord, request: PreparedRequest) -> None:
-        """Hold the job here until a run slot frees (`start()` made the slots), then run it."""
+        """Hold the job here until a run slot frees, then run it."""
+        self.start()  # the slots, and a background loop that died is started again
         self.waiting.add(job.id)
         try:
             async with self._slots:

@@ -186,7 +186,14 @@ class DiffusionReplica:
         request = work(job).request
         images = await asyncio.gather(
             *(
-                loop.run_in_executor(self._cpu_pool, encode_output, im, request.output_format, request.fps)
+                loop.run_in_executor(
+                    self._cpu_pool,
+                    encode_output,
+                    im,
+                    request.output_format,
+                    request.fps,
+                    request.output_compression,
+                )
                 for im in output.images
             )
         )

@@ -69,6 +69,7 @@ from serve_app.schemas.jobs import (
 )
 from serve_app.schemas.openai import (
     QUALITY_ACCELERATION,
+    SERVED_QUALITY,
     ErrorBody,
     ErrorResponse,
     ImageData,
@@ -76,6 +77,7 @@ from serve_app.schemas.openai import (
     ImagesEditRequest,
     ImagesGenerationRequest,
     ImagesResponse,
+    ImagesUsage,
     ModelCard,
     ModelList,
     VideosGenerationRequest,
@@ -92,6 +94,7 @@ __all__ = [
     "MAX_SEED",
     "MEDIA_TYPES",
     "QUALITY_ACCELERATION",
+    "SERVED_QUALITY",
     "REQUEST_ID_PATTERN",
     "VIDEO_FORMATS",
     "AbortResponse",
@@ -108,6 +111,7 @@ __all__ = [
     "ImagesEditRequest",
     "ImagesGenerationRequest",
     "ImagesResponse",
+    "ImagesUsage",
     "InputImage",
     "Job",
     "JobList",

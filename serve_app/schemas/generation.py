@@ -66,6 +66,9 @@ class GenerationParams(_Wire):
     vae_use_slicing: bool = Field(False, description="Decode a batch one image at a time (less memory).")
     vae_use_tiling: bool = Field(False, description="Decode in tiles (less memory for large images).")
     fps: int | None = Field(None, ge=1, le=120, description="Video models: frames per second of the file.")
+    output_compression: int | None = Field(
+        None, ge=0, le=100, description="JPEG and WebP quality, 0-100 (OpenAI's name); PNG is lossless."
+    )
     return_latents: bool = False
     return_trajectory: bool = False
     request_id: RequestId = None

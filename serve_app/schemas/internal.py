@@ -41,6 +41,7 @@ class PreparedRequest(_Wire):
     output_format: OutputFormat
     num_frames: int | None = None  # video models only, like fps
     fps: int | None = None
+    output_compression: int | None = None  # JPEG and WebP quality; None: the encoder's default
     task: Literal["generate", "img2img", "inpaint", "edit"] = "generate"
     strength: float | None = None
     true_cfg_scale: float | None = None
@@ -96,6 +97,7 @@ class PreparedRequest(_Wire):
             output_format=request.output_format or output_format,
             num_frames=request.num_frames or num_frames,
             fps=request.fps or fps,
+            output_compression=request.output_compression,
             task=task,
             strength=request.strength,
             true_cfg_scale=request.true_cfg_scale,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from serve_app.config import Acceleration
 from serve_app.errors import InvalidRequest
@@ -20,6 +20,10 @@ from serve_app.schemas.payloads import InputImage, TensorPayload, Trajectory
 QUALITY_ACCELERATION: dict[str, Acceleration | None] = {
     "high": "none", "hd": "none", "medium": "fast", "low": "faster", "auto": None, "standard": None
 }  # fmt: skip
+
+
+# The other way: the OpenAI quality a request was served at, from its step-caching level.
+SERVED_QUALITY = {"none": "high", "fast": "medium", "faster": "low"}
 
 
 def parse_size(size: str) -> tuple[int, int]:
@@ -38,7 +42,7 @@ class _ImagesCommon(GenerationParams):
     num_images: int = Field(1, ge=1, alias="n", description="Images per prompt (OpenAI `n`).")
     size: str | None = Field(None, description="'WIDTHxHEIGHT' or 'auto'.")
     response_format: Literal["b64_json", "url"] = Field(
-        "b64_json", description="'url' answers with a data: URL, since nothing is stored server-side."
+        "b64_json", description="'url': signed links to the stored images (valid `jobs.url_ttl_s`)."
     )
     quality: Literal["auto", "high", "medium", "low", "hd", "standard"] | None = Field(
         None,
@@ -46,12 +50,13 @@ class _ImagesCommon(GenerationParams):
         "fast`, `low` is `faster`; `auto`/`standard` leave the deployment's default. "
         "`acceleration` wins when both are given.",
     )
+    background: Literal["transparent", "opaque", "auto"] | None = Field(
+        None, description="`opaque` or `auto`; the models served here make no transparent images."
+    )
     # OpenAI fields accepted for compatibility and ignored by diffusion models
     style: str | None = None
     user: str | None = None
-    background: str | None = None
     moderation: str | None = None
-    output_compression: int | None = Field(None, ge=0, le=100)
     # Extensions: streaming
     stream: bool = Field(
         False, description="Answer with Server-Sent Events: a step event per step, then the result."
@@ -72,6 +77,15 @@ class _ImagesCommon(GenerationParams):
         "events, then `image_generation.completed` per image) with this many partial images.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """JSON `null` for any field means it was not set (OpenAI's clients send it for a
+        parameter passed as None): the field's default applies."""
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
     @field_validator("size")
     @classmethod
     def _size_form(cls, v: str | None) -> str | None:
@@ -81,6 +95,12 @@ class _ImagesCommon(GenerationParams):
 
     def _params(self) -> dict[str, Any]:
         """The `GenerationParams` of this body, `size` folded into width and height."""
+        if self.background == "transparent":
+            raise InvalidRequest(
+                "background: 'transparent' is not something these diffusion models make; send "
+                "'opaque' or 'auto'",
+                param="background",
+            )
         params = {name: getattr(self, name) for name in GenerationParams.model_fields}
         if self.acceleration is None and self.quality is not None:
             params["acceleration"] = QUALITY_ACCELERATION[self.quality]
@@ -155,9 +175,30 @@ class ImageData(BaseModel):
     prompt_index: int
 
 
+class InputTokensDetails(BaseModel):
+    image_tokens: int = 0
+    text_tokens: int = 0
+
+
+class ImagesUsage(BaseModel):
+    """OpenAI's token counts. A diffusion model counts no tokens: always zeros."""
+
+    input_tokens: int = 0
+    input_tokens_details: InputTokensDetails = Field(default_factory=InputTokensDetails)
+    output_tokens: int = 0
+    total_tokens: int = 0
+
+
 class ImagesResponse(BaseModel):
     created: int
     data: list[ImageData]
+    # OpenAI's gpt-image fields: what was served
+    size: str | None = Field(None, description="'WIDTHxHEIGHT' of the images made.")
+    quality: Literal["high", "medium", "low"] | None = Field(
+        None, description="The quality served: `high` without step caching, `medium` and `low` with it."
+    )
+    background: Literal["opaque"] | None = None
+    usage: ImagesUsage | None = Field(None, description="Zeros: a diffusion model counts no tokens.")
     # Extensions
     model: str
     request_id: str
@@ -188,6 +229,7 @@ class ModelCard(BaseModel):
     default_width: int
     default_steps: int
     default_num_frames: int | None = None
+    aliases: list[str] = Field(default_factory=list, description="Other names `model` may give for it.")
     accelerations: list[Acceleration] = Field(
         default_factory=lambda: ["none"], description="The `acceleration` levels the model offers."
     )
