@@ -206,7 +206,8 @@ class JobRunner:
                 job.outputs = _outputs(await asyncio.to_thread(self.store.put_outputs, job.id, item), item)
                 job.metrics = item.metrics
                 job.attempts += item.attempts - 1
-                job.state, job.finished_at = "done", time.time()
+                # Done is every step done, whichever step events this ingress saw last.
+                job.state, job.step, job.finished_at = "done", job.total_steps, time.time()
         except asyncio.CancelledError:
             raise  # the ingress is going away (its lease runs out, another resumes the job)
         except ServingError as e:
