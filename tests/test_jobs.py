@@ -299,8 +299,8 @@ def test_a_job_just_stored_is_not_resumed_before_its_lease_is_written(tmp_path):
         return None
 
     async def scenario():
+        # Not started: its own background pass would race the one below.
         runner = JobRunner(store, cfg, stream, nothing, lambda job: job)
-        runner.start()
         prepared = PreparedRequest(request_id="r", prompts=["a"], height=32, width=32, num_inference_steps=2,
                                    guidance_scale=1.0, seed=1, num_images=1, output_format="png",
                                    negative_prompt=None)  # fmt: skip
@@ -311,7 +311,8 @@ def test_a_job_just_stored_is_not_resumed_before_its_lease_is_written(tmp_path):
             assert store.create_job(job)
         await runner._resume_orphans()
         resumed = {job_id: store.load_job(job_id).attempts for job_id in store.keys()}
-        runner._loop_task.cancel()
+        if runner._loop_task is not None:
+            runner._loop_task.cancel()
         for task in list(runner.tasks.values()):
             task.cancel()
         return resumed
