@@ -2,6 +2,7 @@
 
     diffusion-serve generate "a lighthouse at dawn" -o out.png --steps 30 --seed 1
     diffusion-serve lora add red red.safetensors --scale 0.8 | lora list | lora rm red | lora pin red
+    diffusion-serve checkpoints add anime ./ckpts/anime --pool sd15 --pin | checkpoints list | ...
     diffusion-serve status
 
 The server is `--url` (default $DIFFUSION_SERVE_URL or http://127.0.0.1:8000); `--api-key`
@@ -226,6 +227,40 @@ def cmd_lora(c: Client, a: argparse.Namespace) -> None:
         print(f"{'unpinned' if a.unpin else 'pinned'} {a.name}")
 
 
+def cmd_checkpoints(c: Client, a: argparse.Namespace) -> None:
+    if a.checkpoints_cmd == "add":
+        body: dict[str, Any] = {"name": a.name, "source": a.source, "pinned": a.pin}
+        if a.pool is not None:
+            body["pool"] = a.pool
+        out = c.json("POST", "/v1/checkpoints", body)
+        family = out.get("family") or "unknown family"
+        pin = ", pinned" if out.get("pinned") else ""
+        print(f"added {out['name']} ({out['source']}, pool {out.get('pool')}, {family}{pin})")
+    elif a.checkpoints_cmd == "list":
+        for line in checkpoint_lines(c.json("GET", "/v1/checkpoints")):
+            print(line)
+    elif a.checkpoints_cmd == "rm":
+        c.json("DELETE", f"/v1/checkpoints/{a.name}")
+        print(f"removed {a.name}")
+    elif a.checkpoints_cmd == "pin":
+        c.json("POST", f"/v1/checkpoints/{a.name}/pin", {"pinned": not a.unpin})
+        print(f"{'unpinned' if a.unpin else 'pinned'} {a.name}")
+
+
+def checkpoint_lines(out: dict[str, Any]) -> list[str]:
+    """`checkpoints list`: one line per checkpoint, with the replicas that hold it."""
+    if not out["checkpoints"]:
+        return ["no checkpoints registered"]
+    lines = []
+    for ck in out["checkpoints"]:
+        holders = [r["replica_id"] for r in out.get("replicas", []) if ck["name"] in r.get("held", [])]
+        pin = "pinned" if ck["pinned"] else ""
+        held = f"held by {', '.join(holders)}" if holders else "held by no replica"
+        family, pool = ck.get("family") or "-", ck.get("pool") or "-"
+        lines.append(f"{ck['name']:<20} pool {pool:<12} {family:<6} {pin:<7} {held}  {ck['source']}")
+    return lines
+
+
 def cmd_status(c: Client, a: argparse.Namespace) -> None:
     out = c.json("GET", "/v1/status")
     print(f"model {out['model']}: {len(out['replicas'])} replicas, queue length {out['queue_length']}")
@@ -287,6 +322,18 @@ def parser() -> argparse.ArgumentParser:
     pin = lsub.add_parser("pin")
     pin.add_argument("name")
     pin.add_argument("--unpin", action="store_true")
+    ck = sub.add_parser("checkpoints", help="manage the checkpoints served by name from a pool")
+    csub = ck.add_subparsers(dest="checkpoints_cmd", required=True)
+    cadd = csub.add_parser("add", help="register a checkpoint: a diffusers directory or a hub id")
+    cadd.add_argument("name")
+    cadd.add_argument("source")
+    cadd.add_argument("--pool", help="the pool that serves it (default: the server's)")
+    cadd.add_argument("--pin", action="store_true", help="held by every replica of its pool")
+    csub.add_parser("list")
+    csub.add_parser("rm").add_argument("name")
+    cpin = csub.add_parser("pin")
+    cpin.add_argument("name")
+    cpin.add_argument("--unpin", action="store_true")
     sub.add_parser("status", help="replicas, queues, health")
     return ap
 
@@ -296,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     c = Client(a.url, a.api_key)
     try:
         commands = {"generate": cmd_generate, "edit": cmd_edit, "lora": cmd_lora, "status": cmd_status}
-        {**commands, "jobs": cmd_jobs}[a.cmd](c, a)
+        {**commands, "jobs": cmd_jobs, "checkpoints": cmd_checkpoints}[a.cmd](c, a)
     except ClientError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -179,20 +179,30 @@ class Registry:
             raise NotFound(f"lora: no adapter named {name!r} is registered", param="lora")
         return entry
 
-    def add(self, name: str, path: str, scale: float, pinned: bool = False) -> dict[str, Any]:
+    def add(
+        self, name: str, path: str, scale: float, pinned: bool = False, model: str | None = None
+    ) -> dict[str, Any]:
+        """Register `name` (for `model`: the one model it serves, where there are several)."""
         with self._locked():
             data = self._read()
             if name in data:
                 raise InvalidRequest(f"name: an adapter named {name!r} is already registered", param="name")
             data[name] = {"path": path, "scale": scale, "pinned": pinned}
+            if model is not None:
+                data[name]["model"] = model
             self._write(data)
             return data[name]
+
+    # How its messages name an entry, and the field that names it in a removal's message.
+    what, removal_field = "adapter", "lora"
 
     def remove(self, name: str) -> dict[str, Any]:
         with self._locked():
             data = self._read()
             if name not in data:
-                raise NotFound(f"lora: no adapter named {name!r} is registered", param="name")
+                raise NotFound(
+                    f"{self.removal_field}: no {self.what} named {name!r} is registered", param="name"
+                )
             entry = data.pop(name)
             self._write(data)
             return entry
@@ -202,7 +212,8 @@ class Registry:
             data = self._read()
             if name not in data:
                 raise NotFound(f"lora: no adapter named {name!r} is registered", param="name")
-            others = sum(1 for n, e in data.items() if e["pinned"] and n != name)
+            model = data[name].get("model")  # a replica holds the pinned adapters of its model
+            others = sum(1 for n, e in data.items() if e["pinned"] and n != name and e.get("model") == model)
             if pinned and others >= max_pinned:
                 raise InvalidRequest(
                     f"pin: {others} adapters are pinned already and a replica holds at most {max_pinned}",

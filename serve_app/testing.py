@@ -71,6 +71,15 @@ class FaultInjection:
         return super()._row_call(row, params, _slowed([row], step_hook), stand_in)
 
 
+class NeverReady:
+    """Engine extension: the model's load never ends (it waits an hour, using no CPU), for tests
+    of a model whose replicas are not ready while the application's other models serve."""
+
+    def __init__(self, *args, **kwargs):
+        time.sleep(3600)
+        super().__init__(*args, **kwargs)
+
+
 def _slowed(rows, step_hook):
     """`step_hook`, 0.1 s slower a step if a row holds SLOW_MARKER (a slow model)."""
     if step_hook is None or not any(SLOW_MARKER in row.prompt for row in rows):

@@ -27,6 +27,12 @@ def test_every_shipped_config_builds(path):
     build_app(app_cfg["args"])
     if path.name == "local-demo.yaml":
         assert parsed.model.source == "builtin:shapes" and parsed.auth.local_admin
+    elif path.name == "multi-model-demo.yaml":
+        served = parsed.served()
+        assert [s.model.source for s in served] == ["builtin:shapes", "builtin:tiny-sdxl"]
+        assert served[1].multiplex is not None and served[1].batching.max_batch_images == 4
+        assert all(s.replica.num_gpus == 0 and s.model.device == "cpu" for s in served)
+        assert parsed.auth.local_admin
     elif path.parent.name == "configs":
         assert parsed.replica.num_gpus == 1 and parsed.model.device == "cuda"
     else:
@@ -38,9 +44,12 @@ def test_every_shipped_config_builds(path):
         assert not parsed.auth.admin_keys and not parsed.auth.api_keys  # no key ships in a config
 
 
+DEMOS = ("local-demo.yaml", "multi-model-demo.yaml")  # CPU demos of the embedded models
+
+
 def test_presets_cover_the_model_families():
     sources = {AppConfig.from_args(yaml.safe_load(p.read_text())["applications"][0]["args"]).model.source
-               for p in CONFIG_FILES[1:] if p.name != "local-demo.yaml"}  # fmt: skip
+               for p in CONFIG_FILES[1:] if p.name not in DEMOS}  # fmt: skip
     for family in (
         "stable-diffusion-v1-5",
         "stable-diffusion-xl",
@@ -68,8 +77,9 @@ def test_each_config_names_the_twin_ci_runs_for_its_family(path):
     from tests.test_families import TWINS
 
     text = path.read_text()
-    source = AppConfig.from_args(yaml.safe_load(text)["applications"][0]["args"]).model.source
-    if source in ("builtin:tiny-sd", "builtin:shapes"):
+    served = AppConfig.from_args(yaml.safe_load(text)["applications"][0]["args"]).served()
+    source = served[0].model.source
+    if all(s.model.source.startswith("builtin:") and "arch" not in s.model.source for s in served):
         return  # embedded models CI runs themselves
     twin = re.search(r"^# CI twin: builtin:([\w-]+)", text, re.M)
     assert twin, f"{path.name} does not name its CI twin"

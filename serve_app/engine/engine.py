@@ -116,14 +116,16 @@ class DiffusionEngine:
     Its checks are a `checks.CallChecks` and its calls a `runs.Runner`; what an extension may
     override (`run`, `_row_call`, `warmup`, `self_test`, exported methods) stays here."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, reuse: dict[str, Any] | None = None):
+        """Load `cfg`'s pipeline; `reuse` holds components of another engine to share instead of
+        loading them again (`loading.load_pipeline`; what `components()` offers)."""
         self.cfg = cfg
         self.device = resolve_device(cfg)
         self.dtype = resolve_dtype(cfg, self.device)
         if self.device.type == "cpu":
             torch.set_num_threads(cfg.cpu_threads or os.cpu_count() or 1)
         t = time.perf_counter()
-        self.pipe = prepare_pipeline(cfg, self.device, self.dtype)
+        self.pipe = prepare_pipeline(cfg, self.device, self.dtype, reuse)
         self.load_s = time.perf_counter() - t
         self._task_pipes = derived_pipelines(self.pipe)
         denoiser = find_denoiser(self.pipe)
@@ -159,6 +161,20 @@ class DiffusionEngine:
     @property
     def tasks(self) -> list[str]:
         return model_tasks(self._task_pipes)
+
+    def components(self) -> dict[str, torch.nn.Module]:
+        """The loaded modules another engine may share (`DiffusionEngine(cfg, reuse=...)`): the
+        pipeline's torch modules but its denoiser, which carries this engine's own state
+        (adapters, step-cache hooks, quantization, compilation); none under CPU offload, whose
+        hooks move modules per pipeline."""
+        if self.pipe is None or self.cfg.optimizations.cpu_offload != "none":
+            return {}
+        denoiser = denoiser_name(self.pipe)
+        return {
+            name: module
+            for name, module in self.pipe.components.items()
+            if isinstance(module, torch.nn.Module) and name != denoiser
+        }
 
     @exported
     def describe(self) -> dict[str, Any]:

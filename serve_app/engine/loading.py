@@ -33,10 +33,13 @@ def resolve_dtype(cfg: ModelConfig, device: torch.device) -> torch.dtype:
     return _DTYPES[cfg.dtype]
 
 
-def prepare_pipeline(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
-    """The configured pipeline, ready to call: loaded, with the configured scheduler, no
-    progress bar and the configured optimizations."""
-    pipe = load_pipeline(cfg, device, dtype)
+def prepare_pipeline(
+    cfg: ModelConfig, device: torch.device, dtype: torch.dtype, reuse: dict[str, Any] | None = None
+):
+    """The configured pipeline, ready to call: loaded (with the `reuse` components, see
+    `load_pipeline`), with the configured scheduler, no progress bar and the configured
+    optimizations."""
+    pipe = load_pipeline(cfg, device, dtype, reuse)
     if cfg.scheduler:
         pipe.scheduler = scheduler_class(cfg.scheduler).from_config(pipe.scheduler.config)
     pipe.set_progress_bar_config(disable=True)
@@ -44,8 +47,14 @@ def prepare_pipeline(cfg: ModelConfig, device: torch.device, dtype: torch.dtype)
     return pipe
 
 
-def load_pipeline(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
-    """Load from `builtin:<name>`, a local diffusers directory, or a hub id."""
+def load_pipeline(
+    cfg: ModelConfig, device: torch.device, dtype: torch.dtype, reuse: dict[str, Any] | None = None
+):
+    """Load from `builtin:<name>`, a local diffusers directory, or a hub id.
+
+    `reuse` (component name -> an already loaded module, e.g. another checkpoint's identical
+    text encoder) is passed to diffusers instead of loading those components again: the new
+    pipeline holds the very same objects. A builtin source ignores it."""
     src = cfg.source
     if src.startswith(BUILTIN_PREFIX):
         from serve_app.engine.builtin import build_builtin
@@ -70,6 +79,7 @@ def load_pipeline(cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
             revision=cfg.revision,
             variant=cfg.variant,
             local_files_only=cfg.local_files_only,
+            **(reuse or {}),
         )
     except Exception as e:  # diffusers raises many types here; all mean "cannot load"
         raise ModelLoadError(f"model.source: cannot load {src!r}: {type(e).__name__}: {e}") from e

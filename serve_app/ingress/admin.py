@@ -10,6 +10,7 @@ from fastapi import APIRouter
 from serve_app.errors import InvalidRequest
 from serve_app.ingress.core import Core, CoreDep
 from serve_app.ingress.failures import not_ready
+from serve_app.ingress.models import ServedModel
 from serve_app.ingress.openapi import ADMIN, ERRORS
 from serve_app.lora import check_adapter_file, check_name, shown_path
 from serve_app.schemas import LoraAdd, LoraPin, Outcome, ProfileStart, RpcCall
@@ -21,45 +22,58 @@ def _entry(core: Core, name: str, entry: dict[str, Any]) -> dict[str, Any]:
 
 
 async def add_lora(
-    core: Core, name: str, path: str, scale: float = 1.0, pinned: bool = False
+    core: Core, name: str, path: str, scale: float = 1.0, pinned: bool = False, model: str | None = None
 ) -> dict[str, Any]:
-    """Register an adapter after checking its file and loading it once on a replica."""
+    """Register an adapter for one model (default: the default model) after checking its file
+    and loading it once on one of that model's replicas: an adapter made for another family
+    is refused there, with the engine's reason."""
     check_name(name)
     lim = core.cfg.lora
+    served = core.models.by_name(model)
     resolved = check_adapter_file(path, lim.allowed_roots, lim.max_file_mb)
     if name in core.registry.all():
         raise InvalidRequest(f"name: an adapter named {name!r} is already registered", param="name")
-    await core.ensure_ready()
+    await served.ensure_ready()
     try:
-        await core.replica.validate_lora.remote(str(resolved))
+        await served.handle.validate_lora.remote(str(resolved))
     except Exception as e:
-        err = core.call_error(e, name, []) or not_ready()
+        err = core.call_error(e, name, [], served.name) or not_ready(served.label)
         err.message = err.message.replace(str(resolved), shown_path(str(resolved), lim.allowed_roots))
+        if served.label and err.param == "path":
+            err.message += f" (model {served.name!r}, family {(await served.describe()).family})"
         raise err from None
-    entry = core.registry.add(name, str(resolved), scale)
+    entry = core.registry.add(name, str(resolved), scale, model=served.name)
     if pinned:
         return await pin_lora(core, name, True)
     return _entry(core, name, entry)
 
 
+def _owner(core: Core, name: str) -> ServedModel:
+    return core.models.by_name(core.adapter_model(core.registry.get(name)))
+
+
 async def remove_lora(core: Core, name: str) -> dict[str, Any]:
-    """Unregister an adapter and evict it from every replica; later requests for it get 404."""
+    """Unregister an adapter and evict it from its model's replicas; later requests for it get 404."""
+    served = _owner(core, name)
     entry = core.registry.remove(name)
-    evicted = await core.broadcast("evict_lora", name)
+    evicted = await served.broadcast("evict_lora", name)
     return {**_entry(core, name, entry), "evicted_from_replicas": sum(bool(e) for e in evicted)}
 
 
 async def pin_lora(core: Core, name: str, pinned: bool = True) -> dict[str, Any]:
-    """Pin (load on every replica, never evict) or unpin an adapter."""
+    """Pin (load on every replica of its model, never evict) or unpin an adapter."""
+    served = _owner(core, name)
     entry = core.registry.pin(name, pinned, max_pinned=core.cfg.lora.max_loaded)
-    await core.broadcast("pin_lora", name, entry["path"], pinned)
+    await served.broadcast("pin_lora", name, entry["path"], pinned)
     return _entry(core, name, entry)
 
 
 async def list_loras(core: Core) -> dict[str, Any]:
-    """The registry (name, path, scale, pinned) and, per replica, the adapters it holds."""
-    registry = [_entry(core, n, e) for n, e in sorted(core.registry.all().items())]
-    replicas = await core.broadcast("loaded_loras")
+    """The registry (name, model, path, scale, pinned) and, per replica, the adapters it holds."""
+    registry = [
+        {**_entry(core, n, e), "model": core.adapter_model(e)} for n, e in sorted(core.registry.all().items())
+    ]
+    replicas = await core.broadcast_all("loaded_loras")
     return {"adapters": registry, "replicas": sorted(replicas, key=lambda r: r["replica_id"])}
 
 
@@ -93,7 +107,7 @@ router = APIRouter()
 
 @router.post("/v1/loras", **ADMIN)
 async def http_add_lora(body: LoraAdd, core: CoreDep) -> dict[str, Any]:
-    return await add_lora(core, body.name, body.path, body.scale, body.pinned)
+    return await add_lora(core, body.name, body.path, body.scale, body.pinned, body.model)
 
 
 @router.get("/v1/loras", responses=ERRORS)

@@ -9,20 +9,19 @@ import hashlib
 import hmac
 import logging
 import random
-import time
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import Depends, Request
 from ray import serve
-from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from serve_app.access import AccessPolicy, servable
 from serve_app.config import AppConfig
-from serve_app.errors import DeadlineExceeded, InvalidRequest, ReplicaLost, ServingError, Unavailable
+from serve_app.errors import DeadlineExceeded, InvalidRequest, ServingError, Unavailable
 from serve_app.ingress.checks import check_limits, check_media, edit_task, validated
-from serve_app.ingress.failures import backoff, call_error, gave_up, not_ready, unwrap
+from serve_app.ingress.failures import backoff, call_error, gave_up, not_ready
+from serve_app.ingress.models import Models, ServedModel
 from serve_app.inputs import prepare_inputs
 from serve_app.lora import Registry
 from serve_app.schemas import (
@@ -45,87 +44,48 @@ AnyRequest = GenerationRequest | BatchGenerationRequest | PreparedRequest | dict
 
 
 class Core:
-    def __init__(self, replica: DeploymentHandle, cfg: AppConfig, caller_key: bytes):
+    def __init__(self, replicas: dict[str, DeploymentHandle], cfg: AppConfig, caller_key: bytes):
         self.cfg = cfg
-        self.replica = replica
+        self.models = Models(cfg, replicas)
         self.registry = Registry(cfg.lora.registry_path)
         # Read by access.py's middleware and route dependency through Serve's replica context.
         self.access = AccessPolicy.from_config(cfg.auth)
         self._caller_key = caller_key
         self._rng = random.SystemRandom()
-        self._model_info: ModelDescription | None = None
-        self._ready_until = 0.0  # a replica said it was ready: trusted until then
-        self._probe: asyncio.Future | None = None
-        self._describing: asyncio.Future | None = None
 
     # ------------------------------------------------------------------ readiness and description
 
-    async def ready(self) -> bool:
-        """Whether at least one engine replica has loaded and warmed its model and is healthy.
+    async def ready(self, model: str | None = None) -> bool:
+        """Whether one replica of `model` (default: the default model) has loaded and warmed it
+        and is healthy; a positive answer is trusted for a couple of seconds."""
+        return await self.models.by_name(model).ready()
 
-        A positive answer is trusted for a couple of seconds (and renewed by every result), so
-        readiness costs one broadcast per few seconds, not one per request. Replicas too busy to
-        answer within the probe's time are alive, so they count as ready.
-        """
-        if time.monotonic() < self._ready_until:
-            return True
-        # One probe at a time: a burst of requests after a quiet spell waits for the same one
-        # (each probe also takes a request slot on every replica for a moment).
-        if self._probe is None or self._probe.done():
-            self._probe = asyncio.ensure_future(self._probe_replicas())
-        return await asyncio.shield(self._probe)
+    async def ensure_ready(self, model: str | None = None) -> None:
+        await self.models.by_name(model).ensure_ready()
 
-    async def _probe_replicas(self) -> bool:
-        try:
-            answers = await self.replica.broadcast("ready").results_async(
-                timeout_s=self.cfg.ingress.ready_probe_timeout_s, return_exceptions=True
-            )
-        except DeploymentUnavailableError:
-            return False
-        except TimeoutError:
-            answers = [True]
-        if any(a is True for a in answers):
-            self._mark_ready()
-            return True
-        return False
-
-    def _mark_ready(self) -> None:
-        self._ready_until = time.monotonic() + 2.0
-
-    async def ensure_ready(self) -> None:
-        if not await self.ready():
-            raise not_ready()
-
-    async def describe(self) -> ModelDescription:
-        """The model's description, asked once. A burst of first requests shares one question,
-        and it goes by broadcast: a control call must not take (or be refused) a request slot
-        of a replica that callers' requests are about to fill."""
-        if self._model_info is None:
-            if self._describing is None or self._describing.done():
-                self._describing = asyncio.ensure_future(self._ask_description())
-            self._model_info = await asyncio.shield(self._describing)
-        return self._model_info
-
-    async def _ask_description(self) -> ModelDescription:
-        await self.ensure_ready()
-        return (await self.broadcast("describe"))[0]
+    async def describe(self, model: str | None = None) -> ModelDescription:
+        """What the model (default: the default model) says of itself, asked once."""
+        return await self.models.by_name(model).describe()
 
     # ------------------------------------------------------------------ a request's one preparation
 
     async def prepare(self, request: AnyRequest) -> PreparedRequest:
-        """Check limits and fill in every default, once: the id and the seed (so a retried
-        request makes the same image), the model's size, steps and guidance, and the adapter's
-        registered scale and file (404 if it is not registered). 503 first while no replica is ready."""
+        """Check limits and fill in every default, once: the model it goes to (404 if none is
+        called so), the id and the seed (so a retried request makes the same image), the model's
+        size, steps and guidance, and the adapters' registered scales and files (404 if one is
+        not registered). 503 first while none of that model's replicas is ready."""
         if isinstance(request, dict):
             kind = BatchGenerationRequest if "prompts" in request else GenerationRequest
             request = validated(kind, request)
-        await self.ensure_ready()
         if isinstance(request, PreparedRequest):
+            await self.target(request).ensure_ready()
             return request
-        limits, model = self.cfg.limits, self.cfg.model
+        served, checkpoint, source = self.models.find(request.model)
+        await served.ensure_ready()
+        limits, model = served.spec.limits, served.spec.model
         check_limits(request, limits, request.prompts)
-        loras = self._adapters(request)
-        info = await self.describe()
+        loras = self._adapters(request, served, checkpoint)
+        info = await served.describe()
         check_media(request, info, limits)
         video = info.modality == "video"
         task, image, mask = "generate", None, None
@@ -155,11 +115,21 @@ class Core:
             image=image,
             mask=mask,
             acceleration=model.optimizations.step_cache,
+            model=served.name,
+            checkpoint=checkpoint,
+            checkpoint_source=source,
         )
 
-    def _adapters(self, request: GenerationRequest | BatchGenerationRequest) -> list[LoraRef]:
+    def target(self, request: PreparedRequest) -> ServedModel:
+        """The deployment a prepared request goes to (a handle caller's with no model: the default)."""
+        return self.models.by_name(request.model or None)
+
+    def _adapters(
+        self, request: GenerationRequest | BatchGenerationRequest, served: ServedModel, checkpoint: str | None
+    ) -> list[LoraRef]:
         """The request's adapters (`lora` and `loras`), each with its registered file and scale,
-        in name order: the same set gives the same image whatever order it was listed in."""
+        in name order: the same set gives the same image whatever order it was listed in. Each
+        must be registered for the model the request goes to."""
         refs = ([request.lora] if request.lora is not None else []) + list(request.loras)
         names = [r.name for r in refs]
         if len(set(names)) < len(names):
@@ -168,12 +138,28 @@ class Core:
         most = self.cfg.lora.max_per_request
         if len(refs) > most:
             raise InvalidRequest(f"loras: {len(refs)} adapters, the maximum is {most}", param="loras")
+        if refs and checkpoint is not None:
+            raise InvalidRequest(
+                f"loras: adapters run on the pool's own model {served.name!r}, not on its checkpoint "
+                f"{checkpoint!r}",
+                param="loras",
+            )
         out = []
         for ref in refs:
             entry = self.registry.get(ref.name)
+            owner = self.adapter_model(entry)
+            if owner != served.name:
+                raise InvalidRequest(
+                    f"loras: adapter {ref.name!r} is registered for model {owner!r}, not {served.name!r}",
+                    param="loras",
+                )
             scale = ref.scale if ref.scale is not None else entry["scale"]
             out.append(LoraRef(name=ref.name, scale=scale, path=entry["path"]))
         return sorted(out, key=lambda r: r.name)
+
+    def adapter_model(self, entry: dict[str, Any]) -> str:
+        """The model an adapter is registered for (entries from before several models: the default)."""
+        return entry.get("model") or self.models.default.name
 
     # ------------------------------------------------------------------ to a replica and back
 
@@ -201,17 +187,17 @@ class Core:
         """The one retry loop: send, and when the replica dies under the request (before its
         first event, or anywhere with `restart`) send again elsewhere; the whole bounded by the
         deadline. The request's fixed seed makes a retry give the same image."""
-        rid, ing = request.request_id, self.cfg.ingress
+        rid, ing, served = request.request_id, self.cfg.ingress, self.target(request)
         failures: list[str] = []
         try:
             async with asyncio.timeout(ing.request_timeout_s):
                 while len(failures) < ing.max_attempts:
-                    call, started = start(self.replica_for(request)), False
+                    call, started = start(served.replica_for(request)), False
                     try:
                         async for event in _events(call):
                             started = True
                             if isinstance(event, GenerationResult):
-                                self._mark_ready()
+                                served.mark_ready()
                                 if failures:
                                     event = event.model_copy(update={"attempts": len(failures) + 1})
                             yield event
@@ -220,7 +206,7 @@ class Core:
                         call.cancel()  # the caller went away, or the deadline passed
                         raise
                     except Exception as e:
-                        err = self.call_error(e, rid, failures)
+                        err = self.call_error(e, rid, failures, served.name)
                         if err is not None or (started and not restart):
                             raise err or Unavailable(
                                 "the replica serving this stream died mid-stream", request_id=rid
@@ -230,44 +216,38 @@ class Core:
             raise DeadlineExceeded(f"no result within {ing.request_timeout_s:g}s", request_id=rid) from None
         raise gave_up(failures, rid)
 
-    def replica_for(self, request) -> DeploymentHandle:
-        """Requests naming adapters go preferably to replicas that hold the first (Serve multiplexing)."""
-        if not request.loras:
-            return self.replica
-        return self.replica.options(multiplexed_model_id=request.loras[0].name)
+    def call_error(
+        self, e: Exception, rid: str, failures: list[str], model: str | None = None
+    ) -> ServingError | None:
+        name = model or self.models.default.name
+        return call_error(e, rid, failures, name, self.cfg.ingress.retry_after_s)
 
-    def call_error(self, e: Exception, rid: str, failures: list[str]) -> ServingError | None:
-        return call_error(e, rid, failures, self.cfg.model.served_name, self.cfg.ingress.retry_after_s)
+    async def broadcast(self, method: str, *args, timeout: float | None = None, model: str | None = None):
+        """Every live replica's answer, of one model (default: the default model)."""
+        return await self.models.by_name(model).broadcast(method, *args, timeout=timeout)
 
-    async def broadcast(self, method: str, *args, timeout: float | None = None) -> list[Any]:
-        """Every live replica's answer. A replica that dies meanwhile is left out; an error a
-        replica raises on purpose (a `ServingError`) is raised; no replica: 503."""
-        try:
-            answers = await self.replica.broadcast(method, *args).results_async(
-                timeout_s=timeout, return_exceptions=True
-            )
-        except DeploymentUnavailableError:
-            raise not_ready() from None
-        except TimeoutError:
-            raise DeadlineExceeded(f"{method}: not every replica answered within {timeout}s") from None
-        out, lost = [], []
-        for a in answers:
-            if not isinstance(a, BaseException):
-                out.append(a)
-            elif isinstance(cause := unwrap(a), ServingError) and not isinstance(cause, ReplicaLost):
-                raise cause
+    async def broadcast_all(self, method: str, *args, timeout: float | None = None) -> list[Any]:
+        """Every live replica's answer, of every model; a model with no live replica is left out
+        (503 only when no model has one). Errors a replica raises on purpose are raised."""
+        answers = await asyncio.gather(
+            *(m.broadcast(method, *args, timeout=timeout) for m in self.models), return_exceptions=True
+        )
+        out, down = [], []
+        for m, a in zip(self.models, answers, strict=True):
+            if isinstance(a, Unavailable):
+                down.append(m.name)
+            elif isinstance(a, BaseException):
+                raise a
             else:
-                lost.append(a)
-        if lost:
-            logger.warning("%s: %d replica(s) did not answer: %s", method, len(lost), lost[0])
-            if not out:
-                raise not_ready()
+                out += a
+        if down and not out:
+            raise not_ready()
         return out
 
     async def fan_out(self, name: str, *args, timeout: float | None = None) -> list[Any]:
-        """Call every live replica; each answers an `Outcome` and never raises, so one
-        replica's failure is reported for that replica instead of failing the call."""
-        results = await self.broadcast(name, *args, timeout=timeout)
+        """Call every live replica of every model; each answers an `Outcome` and never raises,
+        so one replica's failure is reported for that replica instead of failing the call."""
+        results = await self.broadcast_all(name, *args, timeout=timeout)
         return sorted(results, key=lambda r: r.replica_id)
 
     # ------------------------------------------------------------------ whose request it is

@@ -9,7 +9,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig
-from serve_app.ingress import admin, ops, requests
+from serve_app.ingress import admin, checkpoints, ops, requests
 from serve_app.ingress.checks import validated
 from serve_app.ingress.core import Core
 from serve_app.ingress.http import make_app
@@ -29,24 +29,27 @@ from serve_app.schemas import (
 
 
 class DiffusionIngress:
-    def __init__(self, replica: DeploymentHandle, config: AppConfig | dict[str, Any]):
+    def __init__(self, replicas: dict[str, DeploymentHandle], config: AppConfig | dict[str, Any]):
+        """`replicas`: each model's deployment by its served name (the default first)."""
         self.cfg = AppConfig.model_validate(config)
         # Asynchronous jobs and stored outputs (serve_app.jobs); the runner resumes orphaned jobs.
         self.store = Store(self.cfg.jobs.store)
         key = self.store.secret("url", self.cfg.jobs.url_secret_env)
-        self.core = Core(replica, self.cfg, key)
+        self.core = Core(replicas, self.cfg, key)
         self.links = Links(self.store, key, self.cfg.jobs)
         self.desk = JobDesk(self.core, self.store, self.links, lambda rid: self.abort([rid]))
         # Read by access.py's middleware and route dependency through Serve's replica context.
         self.access = self.core.access
-        self.max_body_bytes = self.cfg.limits.max_body_bytes
-        self.max_upload_bytes = self.cfg.limits.max_upload_bytes
+        # Bodies are bounded before anyone knows which model they name: by the largest bound.
+        self.max_body_bytes = max(s.limits.max_body_bytes for s in self.cfg.served())
+        self.max_upload_bytes = max(s.limits.max_upload_bytes for s in self.cfg.served())
 
     # ------------------------------------------------------------------ the Python API (handle callers)
 
-    async def ready(self) -> bool:
-        """Whether at least one engine replica has loaded and warmed its model and is healthy."""
-        return await self.core.ready()
+    async def ready(self, model: str | None = None) -> bool:
+        """Whether one replica of `model` (default: the default model) has loaded and warmed it
+        and is healthy."""
+        return await self.core.ready(model)
 
     async def generate(self, request: GenerationRequest | dict[str, Any]) -> GenerationResult:
         """One prompt. Raises a `ServingError` subclass on any failure."""
@@ -107,10 +110,11 @@ class DiffusionIngress:
         return await admin.collective_rpc(self.core, method, args, kwargs, timeout)
 
     async def add_lora(
-        self, name: str, path: str, scale: float = 1.0, pinned: bool = False
+        self, name: str, path: str, scale: float = 1.0, pinned: bool = False, model: str | None = None
     ) -> dict[str, Any]:
-        """Register an adapter after checking its file and loading it once on a replica."""
-        return await admin.add_lora(self.core, name, path, scale, pinned)
+        """Register an adapter for `model` (default: the default model) after checking its file
+        and loading it once on one of that model's replicas."""
+        return await admin.add_lora(self.core, name, path, scale, pinned, model)
 
     async def remove_lora(self, name: str) -> dict[str, Any]:
         return await admin.remove_lora(self.core, name)
@@ -120,6 +124,22 @@ class DiffusionIngress:
 
     async def list_loras(self) -> dict[str, Any]:
         return await admin.list_loras(self.core)
+
+    async def add_checkpoint(
+        self, name: str, source: str, pool: str | None = None, pinned: bool = False
+    ) -> dict[str, Any]:
+        """Register a checkpoint for a pool (`pool`: default the only one) after checking it and
+        loading it once on one of the pool's replicas; requests then name it as `model`."""
+        return await checkpoints.add_checkpoint(self.core, name, source, pool, pinned)
+
+    async def remove_checkpoint(self, name: str) -> dict[str, Any]:
+        return await checkpoints.remove_checkpoint(self.core, name)
+
+    async def pin_checkpoint(self, name: str, pinned: bool = True) -> dict[str, Any]:
+        return await checkpoints.pin_checkpoint(self.core, name, pinned)
+
+    async def list_checkpoints(self) -> dict[str, Any]:
+        return await checkpoints.list_checkpoints(self.core)
 
 
 # The class stays importable under its own name, so Ray pickles it by reference and the

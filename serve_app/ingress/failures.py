@@ -21,8 +21,10 @@ logger = logging.getLogger("ray.serve")
 _REPLICA_GONE = (RayActorError, WorkerCrashedError, NodeDiedError)
 
 
-def not_ready() -> Unavailable:
-    return Unavailable("no model replica is ready (still loading and warming up, or being replaced)")
+def not_ready(model: str | None = None) -> Unavailable:
+    """503: no replica (of `model`, where the application serves several) is ready."""
+    of = f" of model {model!r}" if model else ""
+    return Unavailable(f"no model replica{of} is ready (still loading and warming up, or being replaced)")
 
 
 def unwrap(e: BaseException) -> BaseException:

@@ -11,7 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.access import BodyLimit, check_api_key, error_response
 from serve_app.errors import InvalidRequest, NotFound, ServingError
-from serve_app.ingress import admin, images, jobs, ops, requests
+from serve_app.ingress import admin, checkpoints, images, jobs, ops, requests
 from serve_app.ingress.checks import validation_to_error
 from serve_app.ingress.failures import not_ready
 from serve_app.ingress.openapi import document
@@ -63,7 +63,7 @@ def make_app() -> FastAPI:
         (Exception, _unexpected),
     ):
         fastapi_app.add_exception_handler(exc_type, handler)
-    for module in (images, requests, admin, ops, jobs):
+    for module in (images, requests, admin, checkpoints, ops, jobs):
         fastapi_app.include_router(module.router)
     document(fastapi_app, ImagesEditRequest)
     return fastapi_app

@@ -5,7 +5,7 @@ the answer as JSON, as a stream, or as an asynchronous job."""
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from serve_app.errors import InvalidRequest, NotFound
+from serve_app.errors import InvalidRequest
 from serve_app.ingress import present
 from serve_app.ingress.checks import read_edit_body, validated, validation_to_error
 from serve_app.ingress.core import Core, CoreDep
@@ -62,7 +62,7 @@ async def videos_generations(
     desk: DeskDep,
 ) -> Response:
     """A video model's video, answered when it is made (or streamed, like images)."""
-    info = await core.describe()
+    info = await core.models.find(body.model)[0].describe()
     if info.modality != "video":
         raise InvalidRequest(
             f"model: {info.model} makes images; use POST /v1/images/generations", param="model"
@@ -85,10 +85,7 @@ async def generate(
 ) -> Response:
     """An OpenAI-style body answered: as a job with `Prefer: respond-async`, else as events
     with `stream`, else as one JSON body."""
-    model = core.cfg.model
-    if body.model is not None and not model.answers_to(body.model):
-        served = model.served_name
-        raise NotFound(f"model: {body.model!r} is not served here; available: {served!r}", param="model")
+    core.models.find(body.model)  # an unknown model is a 404 before anything else is looked at
     try:
         request = body.to_generation_request()
     except ValueError as e:  # pydantic ValidationError is a ValueError

@@ -90,7 +90,7 @@ class JobDesk:
         job = JobRecord(
             id=job_id,
             route=route,
-            model=self.core.cfg.model.served_name,
+            model=prepared.checkpoint or prepared.model,
             state="queued",
             created_at=time.time(),
             request_id=prepared.request_id,

@@ -1,24 +1,56 @@
 """Routes for operators and probes: the served model, the replicas' status, readiness and
 liveness, and the static playground page."""
 
+import asyncio
 import time
 from pathlib import Path
 
 from fastapi import APIRouter
 from fastapi.responses import HTMLResponse
 
+from serve_app.errors import ServingError, Unavailable
 from serve_app.ingress.core import Core, CoreDep
+from serve_app.ingress.models import ServedModel
 from serve_app.ingress.openapi import ERRORS
-from serve_app.schemas import ErrorResponse, ModelCard, ModelList, ReplicaStats, StatusResponse
+from serve_app.schemas import (
+    ErrorResponse,
+    ModelCard,
+    ModelDescription,
+    ModelList,
+    ModelStatus,
+    StatusResponse,
+)
 
 _PLAYGROUND = (Path(__file__).parent.parent / "playground.html").read_text()
 
 
 async def models(core: Core) -> ModelList:
-    info = await core.describe()
-    card = ModelCard(
+    """Every model, then every checkpoint registered for a pool (described as its pool). A model
+    whose replicas are not ready yet is listed with `ready: false` and what its config says."""
+    infos = await asyncio.gather(*(m.describe() for m in core.models), return_exceptions=True)
+    if all(isinstance(i, BaseException) for i in infos):
+        raise infos[0]
+    now, cards = int(time.time()), {}
+    for m, info in zip(core.models, infos, strict=True):
+        if isinstance(info, Unavailable):
+            cards[m.name] = _loading_card(m, now)
+        elif isinstance(info, BaseException):
+            raise info
+        else:
+            cards[m.name] = _card(info, m.spec.model.aliases, now)
+    out = list(cards.values())
+    for name, entry in sorted(core.models.checkpoints.all().items()):
+        pool = cards.get(entry.get("pool"))
+        if pool is not None and pool.ready:
+            extra = {"id": name, "source": name, "family": entry.get("family") or pool.family}
+            out.append(pool.model_copy(update={**extra, "aliases": [], "pool": pool.id}))
+    return ModelList(data=out)
+
+
+def _card(info: ModelDescription, aliases: list[str], now: int) -> ModelCard:
+    return ModelCard(
         id=info.model,
-        created=int(time.time()),
+        created=now,
         source=info.source,
         family=info.family,
         modalities=[info.modality],
@@ -26,21 +58,54 @@ async def models(core: Core) -> ModelList:
         inputs=info.inputs,
         embeds_shapes=info.embeds_shapes(),
         default_num_frames=info.default_num_frames,
-        aliases=core.cfg.model.aliases,
+        aliases=aliases,
         default_height=info.default_height,
         default_width=info.default_width,
         default_steps=info.default_steps,
         accelerations=info.accelerations,
     )
-    return ModelList(data=[card])
+
+
+def _loading_card(m: ServedModel, now: int) -> ModelCard:
+    cfg = m.spec.model
+    return ModelCard(
+        id=m.name,
+        created=now,
+        source=cfg.source,
+        family="",
+        modalities=[],
+        tasks=[],
+        inputs=[],
+        aliases=cfg.aliases,
+        default_height=cfg.default_height or 0,
+        default_width=cfg.default_width or 0,
+        default_steps=cfg.default_steps,
+        ready=False,
+    )
 
 
 async def status(core: Core) -> StatusResponse:
-    replicas: list[ReplicaStats] = await core.broadcast("stats")
+    """Each model's replicas; a model none of whose replicas answers says why instead."""
+    answers = await asyncio.gather(*(m.broadcast("stats") for m in core.models), return_exceptions=True)
+    per_model = []
+    for m, a in zip(core.models, answers, strict=True):
+        if isinstance(a, BaseException) and not isinstance(a, ServingError):
+            raise a
+        replicas = [] if isinstance(a, BaseException) else sorted(a, key=lambda r: r.replica_id)
+        queue = sum(r.queued_images + r.running_images for r in replicas)
+        error = a.message if isinstance(a, ServingError) else None
+        ready = any(r.healthy for r in replicas)
+        per_model.append(
+            ModelStatus(model=m.name, ready=ready, replicas=replicas, queue_length=queue, error=error)
+        )
+    if all(not s.replicas for s in per_model):
+        raise answers[0]
+    every = [r for s in per_model for r in s.replicas]
     return StatusResponse(
-        model=core.cfg.model.served_name,
-        replicas=sorted(replicas, key=lambda r: r.replica_id),
-        queue_length=sum(r.queued_images + r.running_images for r in replicas),
+        model=core.models.default.name,
+        replicas=every,
+        queue_length=sum(s.queue_length for s in per_model),
+        models=per_model,
     )
 
 
@@ -64,9 +129,10 @@ async def playground() -> HTMLResponse:
 
 
 @router.get("/health", responses={503: {"model": ErrorResponse}})
-async def health(core: CoreDep) -> dict[str, str]:
-    """Readiness: 200 once an engine replica has loaded and warmed its model, 503 while none is."""
-    await core.ensure_ready()
+async def health(core: CoreDep, model: str | None = None) -> dict[str, str]:
+    """Readiness: 200 once a replica of the default model (or of `?model=`) has loaded and
+    warmed it, 503 while none has."""
+    await core.ensure_ready(model)
     return {"status": "ok"}
 
 

@@ -18,7 +18,7 @@ async def abort(core: Core, request_ids: list[str], owner: str | None = None) ->
     With `owner`, only that caller's requests (another caller's are `unknown`)."""
     for rid in request_ids:
         check_path_id(rid)
-    answers = await core.broadcast("abort", list(request_ids), owner)
+    answers = await core.broadcast_all("abort", list(request_ids), owner)
     out = {}
     for rid in request_ids:
         seen = {a.get(rid) for a in answers}
@@ -30,7 +30,7 @@ async def request_status(core: Core, request_id: str, owner: str | None = None) 
     """Where a request is; with `owner`, only that caller's (another's is a 404 like an
     unknown id)."""
     check_path_id(request_id)
-    found = [st for st in await core.broadcast("request_status", request_id, owner) if st is not None]
+    found = [st for st in await core.broadcast_all("request_status", request_id, owner) if st is not None]
     if not found:
         raise NotFound(
             f"request_id: no request {request_id!r} is queued, running or recently finished",

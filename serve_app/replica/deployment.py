@@ -24,7 +24,15 @@ from ray import serve
 
 from serve_app import metrics
 from serve_app.autoscaling import QUEUE_LENGTH_METRIC
-from serve_app.config import BatchingConfig, LoraConfig, ModelConfig, ProfilingConfig, ReplicaConfig
+from serve_app.config import (
+    BatchingConfig,
+    CheckpointsConfig,
+    LoraConfig,
+    ModelConfig,
+    MultiplexSettings,
+    ProfilingConfig,
+    ReplicaConfig,
+)
 from serve_app.engine import Engine, EngineOutput, LoraError, ModelLoadError
 from serve_app.engine.engine import engine_class
 from serve_app.engine.media import encode_output
@@ -35,8 +43,8 @@ from serve_app.replica.control import Profiler, call_exported, outcome
 from serve_app.replica.health import Health
 from serve_app.replica.intake import new_job, work
 from serve_app.replica.loop import EngineLoop
+from serve_app.replica.pool import CheckpointServing
 from serve_app.replica.results import build_result
-from serve_app.replica.routing import report_adapters
 from serve_app.replica.scheduler import Job, Scheduler
 from serve_app.schemas import (
     GenerationResult,
@@ -50,7 +58,7 @@ from serve_app.schemas import (
 logger = logging.getLogger("ray.serve")
 
 
-class DiffusionReplica:
+class DiffusionReplica(CheckpointServing):
     def __init__(
         self,
         model: ModelConfig | dict[str, Any],
@@ -59,6 +67,8 @@ class DiffusionReplica:
         lora: LoraConfig | dict[str, Any] | None = None,
         profiling: ProfilingConfig | dict[str, Any] | None = None,
         engine_factory: Callable[[ModelConfig], Engine] | None = None,
+        multiplex: MultiplexSettings | dict[str, Any] | None = None,
+        checkpoints: CheckpointsConfig | dict[str, Any] | None = None,
     ):
         # Typed settings pass through as they are (validated once, when the app was built).
         self.cfg = ModelConfig.model_validate(model)
@@ -78,6 +88,9 @@ class DiffusionReplica:
         self._cpu_pool = ThreadPoolExecutor(
             max_workers=max(2, min(8, os.cpu_count() or 2)), thread_name_prefix="encode"
         )
+        self._init_routing()
+        mux = MultiplexSettings.model_validate(multiplex) if multiplex is not None else None
+        self._init_pool(factory, mux, CheckpointsConfig.model_validate(checkpoints or {}))
         self.scheduler = Scheduler(
             BatchingConfig.model_validate(batching or {}),
             on_retire=self._on_retire,
@@ -86,7 +99,7 @@ class DiffusionReplica:
         self.adapters = AdapterResidency(
             self.engine,
             lora_cfg.max_loaded,
-            on_change=report_adapters,
+            on_change=self._adapters_changed,
             max_bytes=None if lora_cfg.max_loaded_mb is None else int(lora_cfg.max_loaded_mb * 2**20),
         )
         self.profiler = Profiler(ProfilingConfig.model_validate(profiling or {}).trace_dir, self._on_engine)
@@ -101,11 +114,12 @@ class DiffusionReplica:
         # Converge to the registry before taking traffic: a replica that starts late (autoscaling,
         # a replacement) holds the pinned adapters like the others, without anyone asking.
         for name, entry in Registry(lora_cfg.registry_path).all().items():
-            if entry.get("pinned"):
+            if entry.get("pinned") and entry.get("model", self.cfg.served_name) == self.cfg.served_name:
                 try:
                     self._engine_thread.submit(self.adapters.hold, name, entry["path"], True).result()
                 except LoraError as e:  # a file gone or over the size budget: serve without it
                     logger.warning("pinned adapter %s not held: %s", name, e)
+        self._start_pinning()
 
     def _start_engine(self, factory, timeout_s: float) -> Engine:
         """Build (load and warm up) the engine on the engine thread, within `timeout_s`."""
@@ -135,12 +149,12 @@ class DiffusionReplica:
 
     async def generate(self, request: PreparedRequest) -> GenerationResult:
         """Run one request (one or several prompts) and return its merged result."""
-        job = self._submit(request)
+        job = self._submit(request, 0, await self._engine_for(request))
         return await self._finish(job)
 
     async def generate_stream(self, request: PreparedRequest, preview_every: int = 0) -> AsyncIterator:
         """Yield a `StepEvent` after every denoising step, then the `GenerationResult`."""
-        job = self._submit(request, preview_every)
+        job = self._submit(request, preview_every, await self._engine_for(request))
         events: asyncio.Queue = asyncio.Queue()
         job.listeners.append(events)
         result_task = asyncio.ensure_future(self._finish(job))
@@ -160,11 +174,12 @@ class DiffusionReplica:
             if not result_task.done():
                 result_task.cancel()
 
-    def _submit(self, request: PreparedRequest, preview_every: int = 0) -> Job:
-        """Queue `request` once the engine takes it, and start the engine loop if need be."""
+    def _submit(self, request: PreparedRequest, preview_every: int, engine: Engine) -> Job:
+        """Queue `request` once its engine (this replica's, or its checkpoint's) takes it, and
+        start the engine loop if need be."""
         if self.health.fatal:
             raise self.health.lost(request.request_id)
-        job = new_job(self.engine, request, asyncio.get_running_loop().create_future(), preview_every)
+        job = new_job(engine, request, asyncio.get_running_loop().create_future(), preview_every)
         for ref in request.loras:  # read files the replica lacks while the engine runs its calls
             self.adapters.prefetch(ref.name, ref.path)
         self.scheduler.submit(job)
@@ -197,7 +212,8 @@ class DiffusionReplica:
                 for im in output.images
             )
         )
-        return build_result(job, output, images, (time.perf_counter() - t) * 1e3, self.engine.model_name)
+        name = request.checkpoint or self.engine.model_name
+        return build_result(job, output, images, (time.perf_counter() - t) * 1e3, name)
 
     # ------------------------------------------------------------------ abort and status
 
@@ -312,6 +328,7 @@ class DiffusionReplica:
             loras_loaded_mb=round(self.adapters.loaded_bytes / 2**20, 3),
             engine_failures_in_a_row=self.health.consecutive_failures,
             counts=counts,
+            model=self.engine.model_name,
         )
 
     def queue_length(self) -> int:

@@ -27,6 +27,7 @@ class Work:
 
     request: PreparedRequest
     params: CallParams
+    engine: Engine | None = None  # a pool's checkpoint's engine; None: the replica's own
 
 
 def work(job: Job) -> Work:
@@ -73,13 +74,13 @@ def new_job(engine: Engine, request: PreparedRequest, future: asyncio.Future, pr
     return Job(
         request_id=request.request_id,
         rows=rows,
-        key=(params, *kinds),
+        key=(request.checkpoint, params, *kinds),
         steps=params.steps,
         future=future,
-        payload=Work(request, params),
+        payload=Work(request, params, engine if request.checkpoint else None),
         preview_every=preview_every,
         adapters=tuple(r.name for r in request.loras),
-        join_key=(dataclasses.replace(params, **own), *kinds),
+        join_key=(request.checkpoint, dataclasses.replace(params, **own), *kinds),
         owner=request.owner,
     )
 

@@ -124,15 +124,15 @@ class EngineLoop:
         """On the engine thread: load the call's adapters if this replica lacks them, then run
         the rows in pipeline calls of at most `max_batch_images` (one call unless one job is
         larger)."""
-        params = work(batch[0]).params
+        params, engine = work(batch[0]).params, work(batch[0]).engine or self.engine
         self._hold_adapters(batch)
         size = self.batching.max_batch_images
         chunks = [rows[k : k + size] for k in range(0, len(rows), size)]
         parts = []
         for k, chunk in enumerate(chunks):
             offset = k * params.steps  # progress counts on across the calls of one request
-            part = self.engine.run(chunk, params, lambda i, n, x, o=offset: hook(o + i, n * len(chunks), x))
-            metrics.observe_batch(self.engine.model_name, len(chunk))
+            part = engine.run(chunk, params, lambda i, n, x, o=offset: hook(o + i, n * len(chunks), x))
+            metrics.observe_batch(engine.model_name, len(chunk))
             parts.append(part)
             if part.interrupted:
                 break
@@ -161,6 +161,7 @@ class EngineLoop:
         rows = [r for j in batch for r in j.rows]
         return (
             self.batching.step_joining
+            and work(batch[0]).engine is None  # a pool's checkpoints run whole calls
             and len(rows) <= self.batching.max_batch_images
             and all(r.adapters == rows[0].adapters for r in rows)
             and self.engine.can_join(work(batch[0]).params)

@@ -37,8 +37,10 @@ from serve_app.schemas.base import _check_request_id as _check_request_id
 from serve_app.schemas.base import _Wire as _Wire
 from serve_app.schemas.control import (
     AbortResponse,
+    CheckpointAdd,
     LoraAdd,
     LoraPin,
+    ModelStatus,
     Outcome,
     ProfileStart,
     ReplicaStats,
@@ -50,6 +52,7 @@ from serve_app.schemas.generation import _LORA_ALIASES as _LORA_ALIASES
 from serve_app.schemas.generation import BatchGenerationRequest, GenerationParams, GenerationRequest, LoraRef
 from serve_app.schemas.generation import _ImageInputs as _ImageInputs
 from serve_app.schemas.internal import (
+    CHECKPOINT_ID,
     EMBEDS_FIELDS,
     GenerationResult,
     ModelDescription,
@@ -88,6 +91,7 @@ from serve_app.schemas.payloads import InputImage, PixelPayload, TensorPayload, 
 from serve_app.schemas.payloads import _image_bytes as _image_bytes
 
 __all__ = [
+    "CHECKPOINT_ID",
     "EMBEDS_FIELDS",
     "FINISHED",
     "IMAGE_FORMATS",
@@ -98,6 +102,7 @@ __all__ = [
     "REQUEST_ID_PATTERN",
     "VIDEO_FORMATS",
     "AbortResponse",
+    "CheckpointAdd",
     "B64Bytes",
     "BatchGenerationRequest",
     "ErrorBody",
@@ -132,6 +137,7 @@ __all__ = [
     "ProfileStart",
     "Prompt",
     "Prompts",
+    "ModelStatus",
     "ReplicaStats",
     "RequestId",
     "RequestState",

@@ -28,12 +28,27 @@ class ReplicaStats(BaseModel):
     loras_loaded_mb: float = 0.0
     engine_failures_in_a_row: int
     counts: dict[str, int]
+    model: str = ""
+    checkpoints_held: list[str] = Field(
+        default_factory=list, description="A pool's registered checkpoints this replica holds."
+    )
+
+
+class ModelStatus(BaseModel):
+    """One model's replicas in `GET /v1/status`."""
+
+    model: str
+    ready: bool
+    replicas: list[ReplicaStats]
+    queue_length: int
+    error: str | None = None
 
 
 class StatusResponse(BaseModel):
-    model: str
-    replicas: list[ReplicaStats]
+    model: str = Field(description="The default model.")
+    replicas: list[ReplicaStats] = Field(description="Every model's replicas (each says its model).")
     queue_length: int
+    models: list[ModelStatus] = Field(default_factory=list)
 
 
 class RequestState(_Wire):
@@ -61,6 +76,22 @@ class LoraAdd(_Wire):
     name: str
     path: str = Field(description="A .safetensors file inside one of the configured lora.allowed_roots.")
     scale: float = Field(1.0, ge=-10, le=10)
+    pinned: bool = False
+    model: str | None = Field(
+        None, max_length=256, description="The model it serves (and no other); default: the default model."
+    )
+
+
+class CheckpointAdd(_Wire):
+    """Body of `POST /v1/checkpoints`: a checkpoint a pool serves by name, loaded on demand."""
+
+    name: str = Field(max_length=256, description="What requests give as `model`.")
+    source: str = Field(
+        max_length=4096,
+        description="A diffusers directory (safetensors weights) inside checkpoints.allowed_roots, or a "
+        "hub id where checkpoints.allow_hub is on.",
+    )
+    pool: str | None = Field(None, max_length=256, description="The pool model; default: the only pool.")
     pinned: bool = False
 
 

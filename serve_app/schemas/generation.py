@@ -41,6 +41,9 @@ class GenerationParams(_Wire):
     """Sampling parameters shared by every prompt of one request."""
 
     negative_prompt: str | None = None
+    model: str | None = Field(
+        None, max_length=256, description="Which model; default: the application's default model."
+    )
     height: int | None = Field(None, ge=8, multiple_of=8, description="Pixels; default: the model's.")
     width: int | None = Field(None, ge=8, multiple_of=8, description="Pixels; default: the model's.")
     num_inference_steps: int | None = Field(None, ge=1, description="Default: the model's.")

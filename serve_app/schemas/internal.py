@@ -21,6 +21,11 @@ EMBEDS_FIELDS = (
 )  # fmt: skip
 
 
+# The multiplexed model id of a request for a pool's checkpoint (adapters' ids carry none), and
+# of the checkpoints a replica reports holding: requests go where their checkpoint is.
+CHECKPOINT_ID = "checkpoint:"
+
+
 class PreparedRequest(_Wire):
     """What the ingress hands a replica: one request with every default filled in, once.
 
@@ -62,6 +67,11 @@ class PreparedRequest(_Wire):
     # Whose request it is (the ingress's digest of the caller's key; "" for handle callers and
     # callers without a key): only its owner (and the admin) may read its state or abort it.
     owner: str = ""
+    # The model it was prepared for (its served name) and, on a pool, the registered checkpoint
+    # it runs on (with its resolved source); None: the pool's own model.
+    model: str = ""
+    checkpoint: str | None = None
+    checkpoint_source: str | None = None
 
     @classmethod
     def from_request(
@@ -82,6 +92,9 @@ class PreparedRequest(_Wire):
         image: PixelPayload | None = None,
         mask: PixelPayload | None = None,
         acceleration: str = "none",
+        model: str = "",
+        checkpoint: str | None = None,
+        checkpoint_source: str | None = None,
     ) -> PreparedRequest:
         """`request` with the given values wherever it left a field to the server."""
         return cls(
@@ -111,6 +124,9 @@ class PreparedRequest(_Wire):
             extra=request.extra,
             loras=loras or [],
             acceleration=request.acceleration or acceleration,
+            model=model,
+            checkpoint=checkpoint,
+            checkpoint_source=checkpoint_source,
             **{name: getattr(request, name, None) for name in EMBEDS_FIELDS},
         )
 

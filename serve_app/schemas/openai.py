@@ -38,7 +38,7 @@ class _ImagesCommon(GenerationParams):
     """The OpenAI Images fields, plus this server's sampling parameters (`GenerationParams`)."""
 
     # OpenAI fields
-    model: str | None = None
+    model: str | None = Field(None, max_length=256)
     num_images: int = Field(1, ge=1, alias="n", description="Images per prompt (OpenAI `n`).")
     size: str | None = Field(None, description="'WIDTHxHEIGHT' or 'auto'.")
     response_format: Literal["b64_json", "url"] = Field(
@@ -233,6 +233,11 @@ class ModelCard(BaseModel):
     accelerations: list[Acceleration] = Field(
         default_factory=lambda: ["none"], description="The `acceleration` levels the model offers."
     )
+    ready: bool = Field(True, description="Whether a replica serves it now (else requests for it get 503).")
+    pool: str | None = Field(
+        None, description="A registered checkpoint's pool model: it runs on that pool's replicas, "
+        "loaded when a request first names it.",
+    )  # fmt: skip
 
 
 class ModelList(BaseModel):

@@ -8,10 +8,18 @@ the ingress can read the same models without loading a model stack.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from serve_app.config.services import (  # re-exported: one configuration
+    AuthConfig,
+    CheckpointsConfig,
+    JobsConfig,
+    LoraConfig,
+    ProfilingConfig,
+    _Strict,
+)
 
 BUILTIN_PREFIX = "builtin:"
 # Names accepted after `builtin:`; the builders live in serve_app/engine/builtin.py.
@@ -25,8 +33,7 @@ BUILTIN_MODELS = (
 Acceleration = Literal["none", "fast", "faster"]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+__all__ = ["AuthConfig", "CheckpointsConfig", "JobsConfig", "LoraConfig", "ProfilingConfig"]
 
 
 class Optimizations(_Strict):
@@ -294,145 +301,59 @@ class IngressConfig(_Strict):
     )
 
 
-class LoraConfig(_Strict):
-    """LoRA adapters: where the registry lives, which files may be loaded, how many per replica."""
+class MultiplexSettings(_Strict):
+    """A pool: besides its own model, its replicas serve any checkpoint registered for it
+    (`POST /v1/checkpoints`), loaded on demand with Serve's model multiplexing."""
 
-    registry_path: str = Field(
-        "~/.cache/diffusion-serve/loras.json",
-        description="The persisted registry (JSON): a local path or any fsspec URL (s3://, gs://, ...); "
-        "on several machines, one they all share.",
-    )
-    allowed_roots: list[str] = Field(
-        default_factory=list, description="Directories adapter files must resolve into; empty: no adapters."
-    )
-    max_file_mb: float = Field(512.0, gt=0)
-
-    @field_validator("allowed_roots")
-    @classmethod
-    def _absolute_roots(cls, v: list[str]) -> list[str]:
-        # Resolved where the app is built (`serve run`'s directory), not in each replica's cwd.
-        return [str(Path(r).expanduser().resolve()) for r in v]
-
-    max_loaded: int = Field(
-        4, ge=1, description="Adapters one replica holds; least recently used evicted first."
-    )
-    max_loaded_mb: float | None = Field(
-        None,
-        gt=0,
-        description="Size of the adapter weights one replica holds (MiB, as read from their files); "
-        "least recently used evicted to stay under it, pinned ones never. None: only max_loaded counts.",
-    )
-    max_per_request: int = Field(4, ge=1, description="Adapters one request may stack (`loras`).")
-
-    @model_validator(mode="after")
-    def _room_for_a_request(self):
-        if self.max_per_request > self.max_loaded:
-            raise ValueError(
-                f"lora.max_per_request={self.max_per_request} exceeds lora.max_loaded={self.max_loaded}: "
-                "a replica must hold every adapter of a request at once"
-            )
-        return self
+    max_models_per_replica: int = Field(
+        2, ge=1, le=64, description="Registered checkpoints one replica holds besides its own model; "
+        "least recently used evicted first, pinned ones never."
+    )  # fmt: skip
 
 
-class AuthConfig(_Strict):
-    """API keys. With no user or admin key set, generation is open to everyone (a local service);
-    the admin routes (adapters, profiling, RPC) are closed unless an admin key is configured or
-    `local_admin` is on.
+class ModelEntry(_Strict):
+    """One model of an application that serves several (`models:`); the sections it leaves out
+    are the application's."""
 
-    Keys come from here or from the environment of the ingress's process (comma-separated):
-    `DIFFUSION_API_KEYS` for users, `DIFFUSION_ADMIN_KEYS` for admins. With any key set, every
-    route except `/health`, `/live` and the playground page needs `Authorization: Bearer <key>`.
-    Handle callers are other Ray apps inside the cluster and are not asked for keys.
-    """
-
-    api_keys: list[str] = Field(default_factory=list, repr=False)
-    admin_keys: list[str] = Field(default_factory=list, repr=False)
-    api_keys_env: str = "DIFFUSION_API_KEYS"
-    admin_keys_env: str = "DIFFUSION_ADMIN_KEYS"
-    local_admin: bool = Field(
-        False,
-        description="With no admin key configured, let clients connecting from a loopback address "
-        "(this machine) use the admin routes without a key. For a local demo only: behind a reverse "
-        "proxy on the same machine every client looks local.",
-    )
+    model: ModelConfig
+    limits: Limits | None = None
+    replica: ReplicaConfig | None = None
+    batching: BatchingConfig | None = None
+    multiplex: MultiplexSettings | None = None
 
 
-class ProfilingConfig(_Strict):
-    trace_dir: str = Field(
-        "~/.cache/diffusion-serve/traces", description="Where each replica writes its torch profiler trace."
-    )
+class Served(_Strict):
+    """One model as it is deployed: its name and every section, resolved."""
 
+    model: ModelConfig
+    limits: Limits
+    replica: ReplicaConfig
+    batching: BatchingConfig
+    multiplex: MultiplexSettings | None = None
 
-class JobsConfig(_Strict):
-    """Asynchronous jobs and stored outputs: where they live, how long, and their webhooks."""
-
-    store: str = Field(
-        "~/.cache/diffusion-serve/store",
-        description="Where job records and outputs live: a directory, or any fsspec URL (s3://, "
-        "gs://, a shared file system) so that every ingress replica on every node sees them.",
-    )
-    retention_s: float = Field(
-        86400.0, gt=0, description="Finished jobs and stored outputs older than this go."
-    )
-    max_store_mb: float = Field(
-        10240.0, gt=0, description="Above this total, the oldest finished jobs and outputs go first."
-    )
-    url_ttl_s: float = Field(3600.0, gt=0, description="How long a `response_format: url` link works.")
-    url_secret_env: str = Field(
-        "DIFFUSION_URL_SECRET",
-        description="Environment variable holding the key that signs output URLs; unset: a random key "
-        "kept in the store, shared by every ingress that uses it.",
-    )
-    public_url: str | None = Field(
-        None, description="Base of the URLs handed out (behind a proxy); default: the request's own."
-    )
-    lease_s: float = Field(
-        15.0,
-        gt=0,
-        description="A running job whose ingress has not renewed it this long is resumed by another.",
-    )
-    sweep_interval_s: float = Field(2.0, gt=0, description="How often an ingress renews, resumes and prunes.")
-    max_resumes: int = Field(
-        3, ge=0, description="Times a job is taken over after its ingress went away; then it fails."
-    )
-    webhook_hosts: list[str] = Field(
-        default_factory=list,
-        description="Hosts webhooks may call; empty: any host except loopback, private and link-local.",
-    )
-    webhook_secret: str | None = Field(
-        None, repr=False, description="The HMAC key that signs webhook calls (or the variable below)."
-    )
-    webhook_secret_env: str = Field(
-        "DIFFUSION_WEBHOOK_SECRET", description="Environment variable with the HMAC key of webhook calls."
-    )
-    max_queued_per_caller: int = Field(
-        16,
-        ge=1,
-        description="Unfinished jobs one caller (one API key; all callers without a key are one) may "
-        "have on one ingress replica; one more is a 429 with Retry-After.",
-    )
-    max_queued: int = Field(
-        64, ge=1, description="Unfinished jobs of all callers on one ingress replica; one more is a 429."
-    )
-    max_running: int = Field(
-        8,
-        ge=1,
-        description="Jobs one ingress replica has sent to the engine replicas at once; the others wait "
-        "in the ingress (state queued), so a backlog of jobs stands before an interactive request "
-        "by at most this many.",
-    )
-    webhook_max_attempts: int = Field(5, ge=1, le=20)
-    webhook_backoff_s: float = Field(1.0, gt=0, description="First retry delay; doubles each retry.")
-    webhook_timeout_s: float = Field(10.0, gt=0)
+    @property
+    def name(self) -> str:
+        return self.model.served_name
 
 
 class AppConfig(_Strict):
-    """The `args` of the Serve application (see serve_config.yaml)."""
+    """The `args` of the Serve application (see serve_config.yaml).
+
+    One model (`model:` with `limits:`, `replica:`, `batching:`), or several (`models:`, a list
+    of entries that each hold a `model:` and the sections where they differ)."""
 
     model: ModelConfig = Field(default_factory=ModelConfig)
+    models: list[ModelEntry] = Field(
+        default_factory=list, max_length=32, description="Several models behind one endpoint."
+    )
+    default_model: str | None = Field(
+        None, description="The model of requests that name none; default: the first of `models`."
+    )
     limits: Limits = Field(default_factory=Limits)
     replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
+    multiplex: MultiplexSettings | None = None
+    checkpoints: CheckpointsConfig = Field(default_factory=CheckpointsConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
@@ -440,22 +361,59 @@ class AppConfig(_Strict):
     jobs: JobsConfig = Field(default_factory=JobsConfig)
 
     @model_validator(mode="after")
-    def _defaults_within_limits(self) -> AppConfig:
-        m, lim = self.model, self.limits
-        for side in ("default_height", "default_width"):
-            v = getattr(m, side)
-            if v is not None and v > lim.max_side:
-                raise ValueError(f"model.{side}={v} exceeds limits.max_side={lim.max_side}")
-        if m.default_steps > lim.max_steps:
-            raise ValueError(
-                f"model.default_steps={m.default_steps} exceeds limits.max_steps={lim.max_steps}"
-            )
-        if m.device == "cpu" and m.dtype == "float16":
-            raise ValueError("model.dtype=float16 is not supported on CPU; use float32 or bfloat16")
-        if m.device == "cpu" and m.optimizations.cpu_offload != "none":
-            raise ValueError("model.optimizations.cpu_offload needs model.device cuda")
+    def _models(self) -> AppConfig:
+        if self.models and {"model", "multiplex"} & self.model_fields_set:
+            raise ValueError("give the models in `models:` or one model in `model:`, not both")
+        names: dict[str, str] = {}
+        for i, s in enumerate(self.served()):
+            where = f"models[{i}]" if self.models else "model"
+            _within_limits(s, where)
+            for n in (s.name, *s.model.aliases):
+                if n in names:
+                    raise ValueError(f"{where}: the name {n!r} is taken by model {names[n]!r}")
+                names[n] = s.name
+        if self.default_model is not None and self.default_model not in names:
+            known = ", ".join(names)
+            raise ValueError(f"default_model: {self.default_model!r} is none of the models ({known})")
         return self
+
+    def served(self) -> list[Served]:
+        """Every model as deployed, the default first."""
+        if not self.models:
+            one = Served(model=self.model, limits=self.limits, replica=self.replica, batching=self.batching,
+                         multiplex=self.multiplex)  # fmt: skip
+            return [one]
+        out = [
+            Served(
+                model=e.model,
+                limits=e.limits or self.limits,
+                replica=e.replica or self.replica,
+                batching=e.batching or self.batching,
+                multiplex=e.multiplex,
+            )
+            for e in self.models
+        ]
+        if self.default_model is not None:
+            first = next((s for s in out if s.model.answers_to(self.default_model)), None)
+            if first is not None:  # else the validator says so
+                out.remove(first)
+                out.insert(0, first)
+        return out
 
     @classmethod
     def from_args(cls, args: dict[str, Any] | None) -> AppConfig:
         return cls.model_validate(args or {})
+
+
+def _within_limits(s: Served, where: str) -> None:
+    m, lim = s.model, s.limits
+    for side in ("default_height", "default_width"):
+        v = getattr(m, side)
+        if v is not None and v > lim.max_side:
+            raise ValueError(f"{where}.{side}={v} exceeds limits.max_side={lim.max_side}")
+    if m.default_steps > lim.max_steps:
+        raise ValueError(f"{where}.default_steps={m.default_steps} exceeds limits.max_steps={lim.max_steps}")
+    if m.device == "cpu" and m.dtype == "float16":
+        raise ValueError(f"{where}.dtype=float16 is not supported on CPU; use float32 or bfloat16")
+    if m.device == "cpu" and m.optimizations.cpu_offload != "none":
+        raise ValueError(f"{where}.optimizations.cpu_offload needs model.device cuda")

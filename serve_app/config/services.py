@@ -1,0 +1,164 @@
+"""The settings of the services around the models: adapters, checkpoints, keys, profiling and
+jobs. Part of the one configuration (`serve_app.config`); no torch or diffusers here."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class LoraConfig(_Strict):
+    """LoRA adapters: where the registry lives, which files may be loaded, how many per replica."""
+
+    registry_path: str = Field(
+        "~/.cache/diffusion-serve/loras.json",
+        description="The persisted registry (JSON): a local path or any fsspec URL (s3://, gs://, ...); "
+        "on several machines, one they all share.",
+    )
+    allowed_roots: list[str] = Field(
+        default_factory=list, description="Directories adapter files must resolve into; empty: no adapters."
+    )
+    max_file_mb: float = Field(512.0, gt=0)
+
+    @field_validator("allowed_roots")
+    @classmethod
+    def _absolute_roots(cls, v: list[str]) -> list[str]:
+        # Resolved where the app is built (`serve run`'s directory), not in each replica's cwd.
+        return [str(Path(r).expanduser().resolve()) for r in v]
+
+    max_loaded: int = Field(
+        4, ge=1, description="Adapters one replica holds; least recently used evicted first."
+    )
+    max_loaded_mb: float | None = Field(
+        None,
+        gt=0,
+        description="Size of the adapter weights one replica holds (MiB, as read from their files); "
+        "least recently used evicted to stay under it, pinned ones never. None: only max_loaded counts.",
+    )
+    max_per_request: int = Field(4, ge=1, description="Adapters one request may stack (`loras`).")
+
+    @model_validator(mode="after")
+    def _room_for_a_request(self):
+        if self.max_per_request > self.max_loaded:
+            raise ValueError(
+                f"lora.max_per_request={self.max_per_request} exceeds lora.max_loaded={self.max_loaded}: "
+                "a replica must hold every adapter of a request at once"
+            )
+        return self
+
+
+class AuthConfig(_Strict):
+    """API keys. With no user or admin key set, generation is open to everyone (a local service);
+    the admin routes (adapters, profiling, RPC) are closed unless an admin key is configured or
+    `local_admin` is on.
+
+    Keys come from here or from the environment of the ingress's process (comma-separated):
+    `DIFFUSION_API_KEYS` for users, `DIFFUSION_ADMIN_KEYS` for admins. With any key set, every
+    route except `/health`, `/live` and the playground page needs `Authorization: Bearer <key>`.
+    Handle callers are other Ray apps inside the cluster and are not asked for keys.
+    """
+
+    api_keys: list[str] = Field(default_factory=list, repr=False)
+    admin_keys: list[str] = Field(default_factory=list, repr=False)
+    api_keys_env: str = "DIFFUSION_API_KEYS"
+    admin_keys_env: str = "DIFFUSION_ADMIN_KEYS"
+    local_admin: bool = Field(
+        False,
+        description="With no admin key configured, let clients connecting from a loopback address "
+        "(this machine) use the admin routes without a key. For a local demo only: behind a reverse "
+        "proxy on the same machine every client looks local.",
+    )
+
+
+class ProfilingConfig(_Strict):
+    trace_dir: str = Field(
+        "~/.cache/diffusion-serve/traces", description="Where each replica writes its torch profiler trace."
+    )
+
+
+class JobsConfig(_Strict):
+    """Asynchronous jobs and stored outputs: where they live, how long, and their webhooks."""
+
+    store: str = Field(
+        "~/.cache/diffusion-serve/store",
+        description="Where job records and outputs live: a directory, or any fsspec URL (s3://, "
+        "gs://, a shared file system) so that every ingress replica on every node sees them.",
+    )
+    retention_s: float = Field(
+        86400.0, gt=0, description="Finished jobs and stored outputs older than this go."
+    )
+    max_store_mb: float = Field(
+        10240.0, gt=0, description="Above this total, the oldest finished jobs and outputs go first."
+    )
+    url_ttl_s: float = Field(3600.0, gt=0, description="How long a `response_format: url` link works.")
+    url_secret_env: str = Field(
+        "DIFFUSION_URL_SECRET",
+        description="Environment variable holding the key that signs output URLs; unset: a random key "
+        "kept in the store, shared by every ingress that uses it.",
+    )
+    public_url: str | None = Field(
+        None, description="Base of the URLs handed out (behind a proxy); default: the request's own."
+    )
+    lease_s: float = Field(
+        15.0,
+        gt=0,
+        description="A running job whose ingress has not renewed it this long is resumed by another.",
+    )
+    sweep_interval_s: float = Field(2.0, gt=0, description="How often an ingress renews, resumes and prunes.")
+    max_resumes: int = Field(
+        3, ge=0, description="Times a job is taken over after its ingress went away; then it fails."
+    )
+    webhook_hosts: list[str] = Field(
+        default_factory=list,
+        description="Hosts webhooks may call; empty: any host except loopback, private and link-local.",
+    )
+    webhook_secret: str | None = Field(
+        None, repr=False, description="The HMAC key that signs webhook calls (or the variable below)."
+    )
+    webhook_secret_env: str = Field(
+        "DIFFUSION_WEBHOOK_SECRET", description="Environment variable with the HMAC key of webhook calls."
+    )
+    max_queued_per_caller: int = Field(
+        16,
+        ge=1,
+        description="Unfinished jobs one caller (one API key; all callers without a key are one) may "
+        "have on one ingress replica; one more is a 429 with Retry-After.",
+    )
+    max_queued: int = Field(
+        64, ge=1, description="Unfinished jobs of all callers on one ingress replica; one more is a 429."
+    )
+    max_running: int = Field(
+        8,
+        ge=1,
+        description="Jobs one ingress replica has sent to the engine replicas at once; the others wait "
+        "in the ingress (state queued), so a backlog of jobs stands before an interactive request "
+        "by at most this many.",
+    )
+    webhook_max_attempts: int = Field(5, ge=1, le=20)
+    webhook_backoff_s: float = Field(1.0, gt=0, description="First retry delay; doubles each retry.")
+    webhook_timeout_s: float = Field(10.0, gt=0)
+
+
+class CheckpointsConfig(_Strict):
+    """Where the checkpoint registry of the pools lives and which checkpoints may be registered."""
+
+    registry_path: str = Field(
+        "~/.cache/diffusion-serve/checkpoints.json",
+        description="The persisted registry (JSON): a local path or any fsspec URL.",
+    )
+    allowed_roots: list[str] = Field(
+        default_factory=list, description="Directories checkpoints must resolve into; empty: none."
+    )
+    allow_hub: bool = Field(
+        False, description="Also accept Hugging Face hub ids (downloaded by the replicas)."
+    )
+
+    @field_validator("allowed_roots")
+    @classmethod
+    def _absolute_roots(cls, v: list[str]) -> list[str]:
+        return [str(Path(r).expanduser().resolve()) for r in v]
