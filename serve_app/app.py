@@ -20,7 +20,7 @@ from serve_app.replica import DiffusionReplicaDeployment
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
     cfg = args if isinstance(args, AppConfig) else AppConfig.from_args(args)
     served = cfg.served()
-    replicas = {s.name: _replica_app(s, cfg, deployment_name(s, len(served))) for s in served}
+    replicas = {s.name: _replica_app(s, cfg, deployment_name(s, len(served)), served[0].name) for s in served}
     ing = cfg.ingress
     return DiffusionIngressDeployment.options(
         num_replicas=ing.num_replicas,
@@ -40,7 +40,7 @@ def deployment_name(s: Served, models: int) -> str:
     return "DiffusionReplica-" + re.sub(r"[^A-Za-z0-9._-]", "_", s.name)
 
 
-def _replica_app(s: Served, cfg: AppConfig, name: str) -> Application:
+def _replica_app(s: Served, cfg: AppConfig, name: str, default_model: str) -> Application:
     if s.model.scheduler:
         scheduler_class(s.model.scheduler)
     if s.model.engine_extension:
@@ -67,4 +67,5 @@ def _replica_app(s: Served, cfg: AppConfig, name: str) -> Application:
         profiling=cfg.profiling,
         multiplex=s.multiplex,
         checkpoints=cfg.checkpoints,
+        default_model=default_model,
     )

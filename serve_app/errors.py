@@ -121,6 +121,25 @@ class Overloaded(ServingError):
     default_retry_after_s = 2
 
 
+class QuotaExceeded(Overloaded):
+    """The caller's tenant is past one of its quotas (`param` names it); retry after
+    `retry_after_s`. Its body's `code` is "quota_exceeded"; `limits` become rate-limit headers."""
+
+    error_type = "rate_limit_error"
+
+    def __init__(self, message: str, *, limits: dict[str, str] | None = None, **kw):
+        super().__init__(message, **kw)
+        self.limits = limits or {}
+
+    def to_body(self) -> dict:
+        body = super().to_body()
+        body["error"]["code"] = "quota_exceeded"
+        return body
+
+    def headers(self) -> dict[str, str] | None:
+        return {**(super().headers() or {}), **self.limits}
+
+
 class Unavailable(ServingError):
     """No replica can take the request now (none ready, or every try lost its replica)."""
 

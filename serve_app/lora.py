@@ -207,13 +207,19 @@ class Registry:
             self._write(data)
             return entry
 
-    def pin(self, name: str, pinned: bool, max_pinned: int) -> dict[str, Any]:
+    def pin(self, name: str, pinned: bool, max_pinned: int, default: str | None = None) -> dict[str, Any]:
+        """Pin or unpin; at most `max_pinned` pinned adapters per model (`default`: the model of
+        entries that name none, registered before there were several)."""
         with self._locked():
             data = self._read()
             if name not in data:
                 raise NotFound(f"lora: no adapter named {name!r} is registered", param="name")
-            model = data[name].get("model")  # a replica holds the pinned adapters of its model
-            others = sum(1 for n, e in data.items() if e["pinned"] and n != name and e.get("model") == model)
+            model = data[name].get("model") or default  # a replica holds the pinned adapters of its model
+            others = sum(
+                1
+                for n, e in data.items()
+                if e["pinned"] and n != name and (e.get("model") or default) == model
+            )
             if pinned and others >= max_pinned:
                 raise InvalidRequest(
                     f"pin: {others} adapters are pinned already and a replica holds at most {max_pinned}",

@@ -41,6 +41,25 @@ def _m():
         "retries": metrics.Counter(
             "diffusion_retries_total", "Requests sent again because their replica died.", tag_keys=("model",)
         ),
+        "tenant_images": metrics.Counter(
+            "diffusion_tenant_images_total", "Images made, by tenant.", tag_keys=("model", "tenant")
+        ),
+        "tenant_requests": metrics.Gauge(
+            "diffusion_tenant_requests",
+            "A tenant's requests on a replica, by state (queued, running).",
+            tag_keys=("model", "tenant", "state"),
+        ),
+        "tenant_wait_ms": metrics.Histogram(
+            "diffusion_tenant_queue_wait_ms",
+            "Time a tenant's requests waited in a replica's queue.",
+            boundaries=_MS_BUCKETS,
+            tag_keys=("model", "tenant"),
+        ),
+        "tenant_rejected": metrics.Counter(
+            "diffusion_tenant_quota_rejected_total",
+            "Requests refused by a tenant quota, by the limit.",
+            tag_keys=("tenant", "limit"),
+        ),
         "rejected": metrics.Counter(
             "diffusion_rejected_total",
             "Requests refused before a replica ran them.",
@@ -75,3 +94,19 @@ def count_retry(model: str) -> None:
 
 def count_rejected(model: str, reason: str) -> None:
     _m()["rejected"].inc(1, {"model": model, "reason": reason})
+
+
+def tenant_load(model: str, tenant: str, queued: int, running: int) -> None:
+    g = _m()["tenant_requests"]
+    g.set(queued, {"model": model, "tenant": tenant, "state": "queued"})
+    g.set(running, {"model": model, "tenant": tenant, "state": "running"})
+
+
+def tenant_done(model: str, tenant: str, images: int, wait_ms: float) -> None:
+    m = _m()
+    m["tenant_images"].inc(images, {"model": model, "tenant": tenant})
+    m["tenant_wait_ms"].observe(wait_ms, {"model": model, "tenant": tenant})
+
+
+def tenant_rejected(tenant: str, limit: str) -> None:
+    _m()["tenant_rejected"].inc(1, {"tenant": tenant, "limit": limit})

@@ -23,6 +23,7 @@ from ray import serve
 from serve_app.app import build_app, deployment_name
 from serve_app.config import AppConfig
 from serve_app.lora import make_adapter
+from serve_app.schemas import PreparedRequest
 from tests.conftest import ADAPTER_DIR, SESSION_DIR, TEST_ARGS, wait_for
 
 APP = "multi"
@@ -290,6 +291,13 @@ def test_checkpoints_load_on_demand_evict_and_pin(multi, client):
     assert "ft-a" in state["held"] and state["pinned"] == ["ft-a"]
     handle = serve.get_app_handle(APP)
     assert handle.generate.remote({"prompt": "x", "model": "ft-a"}).result().model == "ft-a"
+    # A prepared request names its checkpoint; its source is the registry's, never the caller's.
+    fields = dict(prompts=["x"], negative_prompt=None, height=32, width=32, num_inference_steps=2,
+                  guidance_scale=1.0, seed=5, num_images=1, output_format="png")  # fmt: skip
+    forged = PreparedRequest(
+        request_id="forged-1", model="sd", checkpoint="ft-a", checkpoint_source="/etc", **fields
+    )
+    assert handle.generate.remote(forged).result().model == "ft-a"
     lora = post(client, "ft-a", lora={"name": "anything"})
     assert lora.status_code == 400 and lora.json()["error"]["param"] == "loras"
     gone = client.delete(f"{P}/v1/checkpoints/ft-b")

@@ -18,6 +18,7 @@ from serve_app.config.services import (  # re-exported: one configuration
     JobsConfig,
     LoraConfig,
     ProfilingConfig,
+    TenantConfig,
     _Strict,
 )
 
@@ -33,7 +34,7 @@ BUILTIN_MODELS = (
 Acceleration = Literal["none", "fast", "faster"]
 
 
-__all__ = ["AuthConfig", "CheckpointsConfig", "JobsConfig", "LoraConfig", "ProfilingConfig"]
+__all__ = ["AuthConfig", "CheckpointsConfig", "JobsConfig", "LoraConfig", "ProfilingConfig", "TenantConfig"]
 
 
 class Optimizations(_Strict):
@@ -102,6 +103,9 @@ class ModelConfig(_Strict):
         "in actors, which halves the speed of a CPU replica.",
     )
     local_files_only: bool = False
+    safetensors_only: bool = Field(
+        False, description="Load safetensors weights only, never pickles (a pool's checkpoints always)."
+    )
     optimizations: Optimizations = Field(default_factory=Optimizations)
     engine_extension: str | None = Field(
         None,
@@ -354,6 +358,9 @@ class AppConfig(_Strict):
     batching: BatchingConfig = Field(default_factory=BatchingConfig)
     multiplex: MultiplexSettings | None = None
     checkpoints: CheckpointsConfig = Field(default_factory=CheckpointsConfig)
+    tenants: list[TenantConfig] = Field(
+        default_factory=list, max_length=1000, description="Who shares the service, and how."
+    )
     lora: LoraConfig = Field(default_factory=LoraConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
@@ -372,6 +379,7 @@ class AppConfig(_Strict):
                 if n in names:
                     raise ValueError(f"{where}: the name {n!r} is taken by model {names[n]!r}")
                 names[n] = s.name
+        _check_tenants(self.tenants)
         if self.default_model is not None and self.default_model not in names:
             known = ", ".join(names)
             raise ValueError(f"default_model: {self.default_model!r} is none of the models ({known})")
@@ -417,3 +425,15 @@ def _within_limits(s: Served, where: str) -> None:
         raise ValueError(f"{where}.dtype=float16 is not supported on CPU; use float32 or bfloat16")
     if m.device == "cpu" and m.optimizations.cpu_offload != "none":
         raise ValueError(f"{where}.optimizations.cpu_offload needs model.device cuda")
+
+
+def _check_tenants(tenants: list[TenantConfig]) -> None:
+    """Names unique, and no key in two tenants (the message names the tenants, never the key)."""
+    owner: dict[str, str] = {}
+    for i, t in enumerate(tenants):
+        if t.name in [u.name for u in tenants[:i]]:
+            raise ValueError(f"tenants[{i}].name: {t.name!r} is named twice")
+        for key in t.api_keys:
+            if key in owner and owner[key] != t.name:
+                raise ValueError(f"tenants[{i}].api_keys: a key is in tenants {owner[key]!r} and {t.name!r}")
+            owner[key] = t.name

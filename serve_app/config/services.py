@@ -9,7 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # A bad value is named, never echoed: the settings hold API keys.
+    model_config = ConfigDict(extra="forbid", hide_input_in_errors=True)
 
 
 class LoraConfig(_Strict):
@@ -162,3 +163,35 @@ class CheckpointsConfig(_Strict):
     @classmethod
     def _absolute_roots(cls, v: list[str]) -> list[str]:
         return [str(Path(r).expanduser().resolve()) for r in v]
+
+
+TENANT_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
+
+
+class TenantConfig(_Strict):
+    """A named group of user keys that shares the service as one: its weight in each replica's
+    fair queue, and its quotas (each counted per ingress replica). Requests without a key are
+    the tenant `default` (configure one by that name to give it limits); a key in no tenant is
+    a tenant of its own, of weight 1 and no quotas."""
+
+    name: str = Field(pattern=f"^{TENANT_NAME}$")
+    api_keys: list[str] = Field(default_factory=list, repr=False, description="Its user keys.")
+    api_keys_env: str | None = Field(
+        None, description="Environment variable of the ingress with more of its keys (comma-separated)."
+    )
+    weight: float = Field(
+        1.0, gt=0, le=1000, description="Its share of a replica against other backlogged tenants."
+    )
+    max_concurrent: int | None = Field(
+        None,
+        ge=1,
+        le=100_000,
+        description="Its requests in flight at once (running jobs included); one more: 429.",
+    )
+    max_queued: int | None = Field(
+        None, ge=0, le=100_000, description="Its asynchronous jobs waiting to run; one more: 429."
+    )
+    images_per_minute: float | None = Field(None, gt=0, le=1e6, description="A rate of images; past it: 429.")
+    image_steps_per_minute: float | None = Field(
+        None, gt=0, le=1e9, description="A rate of images times their denoising steps; past it: 429."
+    )

@@ -79,6 +79,7 @@ def load_pipeline(
             revision=cfg.revision,
             variant=cfg.variant,
             local_files_only=cfg.local_files_only,
+            **({"use_safetensors": True} if cfg.safetensors_only else {}),
             **(reuse or {}),
         )
     except Exception as e:  # diffusers raises many types here; all mean "cannot load"

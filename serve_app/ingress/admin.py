@@ -48,22 +48,30 @@ async def add_lora(
     return _entry(core, name, entry)
 
 
-def _owner(core: Core, name: str) -> ServedModel:
-    return core.models.by_name(core.adapter_model(core.registry.get(name)))
+def _owner(core: Core, name: str) -> ServedModel | None:
+    """The model an adapter is for; None if that model is no longer served."""
+    owner = core.adapter_model(core.registry.get(name))
+    return next((m for m in core.models if m.name == owner), None)
 
 
 async def remove_lora(core: Core, name: str) -> dict[str, Any]:
     """Unregister an adapter and evict it from its model's replicas; later requests for it get 404."""
     served = _owner(core, name)
     entry = core.registry.remove(name)
-    evicted = await served.broadcast("evict_lora", name)
+    evicted = await served.broadcast("evict_lora", name) if served is not None else []
     return {**_entry(core, name, entry), "evicted_from_replicas": sum(bool(e) for e in evicted)}
 
 
 async def pin_lora(core: Core, name: str, pinned: bool = True) -> dict[str, Any]:
     """Pin (load on every replica of its model, never evict) or unpin an adapter."""
     served = _owner(core, name)
-    entry = core.registry.pin(name, pinned, max_pinned=core.cfg.lora.max_loaded)
+    if served is None:
+        raise InvalidRequest(
+            f"name: adapter {name!r} is for a model no longer served; remove it", param="name"
+        )
+    entry = core.registry.pin(
+        name, pinned, max_pinned=core.cfg.lora.max_loaded, default=core.models.default.name
+    )
     await served.broadcast("pin_lora", name, entry["path"], pinned)
     return _entry(core, name, entry)
 

@@ -41,7 +41,7 @@ async def add_checkpoint(
         raise InvalidRequest(f"name: a checkpoint named {name!r} is already registered", param="name")
     await served.ensure_ready()
     family = (await served.describe()).family
-    if cls and family_of(cls) != family:
+    if cls and (family_of(cls) or cls) != family:
         raise InvalidRequest(
             f"source: a {cls} ({family_of(cls) or 'unknown family'}); pool {served.name!r} serves "
             f"{family} checkpoints",
@@ -75,7 +75,8 @@ async def _load_once(core: Core, served: ServedModel, name: str, resolved: str) 
 async def remove_checkpoint(core: Core, name: str) -> dict[str, Any]:
     """Unregister a checkpoint and drop it from its pool's replicas; later requests get 404."""
     entry = core.models.checkpoints.remove(name)
-    dropped = await core.models.by_name(entry["pool"]).broadcast("drop_checkpoint", name)
+    pool = next((m for m in core.models if m.name == entry["pool"]), None)  # None: a pool since removed
+    dropped = await pool.broadcast("drop_checkpoint", name) if pool is not None else []
     return {**_entry(core, name, entry), "dropped_from_replicas": sum(bool(d) for d in dropped)}
 
 

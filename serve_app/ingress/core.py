@@ -5,6 +5,7 @@ every replica, and whose request it is. No FastAPI routes here and no diffusers 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import hmac
 import logging
@@ -22,6 +23,7 @@ from serve_app.errors import DeadlineExceeded, InvalidRequest, ServingError, Una
 from serve_app.ingress.checks import check_limits, check_media, edit_task, validated
 from serve_app.ingress.failures import backoff, call_error, gave_up, not_ready
 from serve_app.ingress.models import Models, ServedModel
+from serve_app.ingress.tenants import Tenants
 from serve_app.inputs import prepare_inputs
 from serve_app.lora import Registry
 from serve_app.schemas import (
@@ -49,8 +51,10 @@ class Core:
         self.models = Models(cfg, replicas)
         self.registry = Registry(cfg.lora.registry_path)
         # Read by access.py's middleware and route dependency through Serve's replica context.
-        self.access = AccessPolicy.from_config(cfg.auth)
         self._caller_key = caller_key
+        self.tenants = Tenants(cfg.tenants, self._digest, cfg.ingress.retry_after_s)
+        policy = AccessPolicy.from_config(cfg.auth)
+        self.access = dataclasses.replace(policy, user_keys=policy.user_keys + self.tenants.keys())
         self._rng = random.SystemRandom()
 
     # ------------------------------------------------------------------ readiness and description
@@ -79,8 +83,12 @@ class Core:
             request = validated(kind, request)
         if isinstance(request, PreparedRequest):
             await self.target(request).ensure_ready()
+            if request.checkpoint is not None:  # its source as registered now, never the caller's
+                _, _, source = self.models.find(request.checkpoint)
+                request = request.model_copy(update={"checkpoint_source": source})
             return request
         served, checkpoint, source = self.models.find(request.model)
+        tenant = self.tenants.named(request.tenant)
         await served.ensure_ready()
         limits, model = served.spec.limits, served.spec.model
         check_limits(request, limits, request.prompts)
@@ -118,6 +126,8 @@ class Core:
             model=served.name,
             checkpoint=checkpoint,
             checkpoint_source=source,
+            tenant=tenant.name,
+            tenant_weight=tenant.cfg.weight,
         )
 
     def target(self, request: PreparedRequest) -> ServedModel:
@@ -164,24 +174,29 @@ class Core:
     # ------------------------------------------------------------------ to a replica and back
 
     async def submit(self, request: AnyRequest) -> GenerationResult:
-        """One call to a replica for the whole result."""
+        """One call to a replica for the whole result, within its tenant's quotas."""
         prepared = await self.prepare(request)
-        results = [r async for r in self._attempts(prepared, lambda h: h.generate.remote(prepared), False)]
+        async with self.tenants.admit(prepared):
+            results = [
+                r async for r in self._attempts(prepared, lambda h: h.generate.remote(prepared), False)
+            ]
         return results[-1]
 
     async def stream(
         self, request: AnyRequest, preview_every: int = 0, restart: bool = False
     ) -> AsyncIterator[StepEvent | GenerationResult]:
-        """A `StepEvent` per step, then the result. A replica lost mid-stream ends the stream
-        with an error, unless `restart`: then the request runs again elsewhere and its steps
-        count from 1 again (jobs use this)."""
+        """A `StepEvent` per step, then the result, within its tenant's quotas. A replica lost
+        mid-stream ends the stream with an error, unless `restart`: then the request runs again
+        elsewhere and its steps count from 1 again, and past a quota it waits for room instead
+        of failing (jobs use this)."""
         prepared = await self.prepare(request)
 
         def start(handle: DeploymentHandle):
             return handle.options(stream=True).generate_stream.remote(prepared, preview_every)
 
-        async for event in self._attempts(prepared, start, restart):
-            yield event
+        async with self.tenants.admit(prepared, wait=restart):
+            async for event in self._attempts(prepared, start, restart):
+                yield event
 
     async def _attempts(self, request: PreparedRequest, start, restart: bool):
         """The one retry loop: send, and when the replica dies under the request (before its
@@ -256,7 +271,14 @@ class Core:
         """Whose request or job it is: a keyed digest of the API key it was sent with ("" without
         one), so records on the store name no key, and `bearer K` and `Bearer K` are one caller."""
         key = self.access.bearer(http.headers.get("authorization", ""))
-        return hmac.new(self._caller_key, key.encode(), hashlib.sha256).hexdigest()[:32] if key else ""
+        return self._digest(key) if key else ""
+
+    def _digest(self, key: str) -> str:
+        return hmac.new(self._caller_key, key.encode(), hashlib.sha256).hexdigest()[:32]
+
+    def tenant_of(self, http: Request) -> str:
+        """The tenant of an HTTP request: its API key's."""
+        return self.tenants.of_key(self.access.bearer(http.headers.get("authorization", "")))
 
     def requester(self, http: Request) -> str | None:
         """Whose requests an HTTP caller may see and abort: its own (see `caller`), or with an

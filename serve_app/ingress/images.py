@@ -90,6 +90,7 @@ async def generate(
         request = body.to_generation_request()
     except ValueError as e:  # pydantic ValidationError is a ValueError
         raise validation_to_error(e.errors()) from None
+    request = request.model_copy(update={"tenant": core.tenant_of(http)})
     if prefers_async(http):
         return await desk.submit(body, request, http, route)
     for name in ("webhook", "webhook_events"):

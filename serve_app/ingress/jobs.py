@@ -87,10 +87,14 @@ class JobDesk:
         prepared = (await self.core.prepare(request)).model_copy(
             update={"request_id": new_job_request_id(), "owner": caller}
         )
+        waiting = sum(
+            1 for j in self.runner.jobs.values() if j.tenant == prepared.tenant and j.state == "queued"
+        )
+        self.core.tenants.check_queued(prepared.tenant, waiting)
         job = JobRecord(
             id=job_id,
             route=route,
-            model=prepared.checkpoint or prepared.model,
+            model=prepared.checkpoint or prepared.model or self.core.models.default.name,
             state="queued",
             created_at=time.time(),
             request_id=prepared.request_id,
@@ -100,6 +104,7 @@ class JobDesk:
             caller=caller,
             base_url=base_url,
             body_hash=digest,
+            tenant=prepared.tenant,
         )
         return await self.runner.submit(job, prepared)
 

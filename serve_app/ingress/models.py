@@ -146,7 +146,7 @@ class Models:
             if m.spec.model.answers_to(name):
                 return m, None, None
         pools = {m.name: m for m in self.all if m.is_pool}
-        if pools and len(name) <= 128:
+        if pools and len(name) <= 128:  # no pools: no registry read on the request path
             entry = self.checkpoints.all().get(name)
             if entry is not None and entry.get("pool") in pools:
                 return pools[entry["pool"]], name, entry["source"]
@@ -160,6 +160,8 @@ class Models:
         """The models' names (their aliases are in /v1/models), then the pools' checkpoints."""
         out = [m.name for m in self.all]
         pools = {m.name for m in self.all if m.is_pool}
+        if not pools:
+            return out
         out += sorted(n for n, e in self.checkpoints.all().items() if e.get("pool") in pools)
         return out
 

@@ -5,7 +5,7 @@ import asyncio
 import time
 from pathlib import Path
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
 from serve_app.errors import ServingError, Unavailable
@@ -18,7 +18,9 @@ from serve_app.schemas import (
     ModelDescription,
     ModelList,
     ModelStatus,
+    ReplicaStats,
     StatusResponse,
+    TenantStatus,
 )
 
 _PLAYGROUND = (Path(__file__).parent.parent / "playground.html").read_text()
@@ -39,7 +41,8 @@ async def models(core: Core) -> ModelList:
         else:
             cards[m.name] = _card(info, m.spec.model.aliases, now)
     out = list(cards.values())
-    for name, entry in sorted(core.models.checkpoints.all().items()):
+    pools = any(m.is_pool for m in core.models)
+    for name, entry in sorted(core.models.checkpoints.all().items() if pools else []):
         pool = cards.get(entry.get("pool"))
         if pool is not None and pool.ready:
             extra = {"id": name, "source": name, "family": entry.get("family") or pool.family}
@@ -84,8 +87,9 @@ def _loading_card(m: ServedModel, now: int) -> ModelCard:
     )
 
 
-async def status(core: Core) -> StatusResponse:
-    """Each model's replicas; a model none of whose replicas answers says why instead."""
+async def status(core: Core, tenant: str | None = None) -> StatusResponse:
+    """Each model's replicas (a model none of whose replicas answers says why instead), and
+    the tenants: every one, or with `tenant` that one only."""
     answers = await asyncio.gather(*(m.broadcast("stats") for m in core.models), return_exceptions=True)
     per_model = []
     for m, a in zip(core.models, answers, strict=True):
@@ -106,7 +110,33 @@ async def status(core: Core) -> StatusResponse:
         replicas=every,
         queue_length=sum(s.queue_length for s in per_model),
         models=per_model,
+        tenants=_tenants(core, every, tenant),
     )
+
+
+def _tenants(core: Core, replicas: list[ReplicaStats], only: str | None) -> list[TenantStatus]:
+    names = set(core.tenants.visible(only))
+    if only is None:
+        names.update(t for r in replicas for t in r.tenants)
+    out = []
+    for name in sorted(names):
+        own = core.tenants.state(name)
+        parts = [r.tenants[name] for r in replicas if name in r.tenants]
+        total = {k: sum(p.get(k, 0) for p in parts) for k in ("queued_requests", "running_requests",
+                 "queued_images", "running_images", "images_done", "started", "queue_wait_ms")}  # fmt: skip
+        out.append(
+            TenantStatus(
+                tenant=name,
+                weight=own.cfg.weight if own else 1.0,
+                **{k: v for k, v in total.items() if k not in ("started", "queue_wait_ms")},
+                queue_wait_ms_mean=round(total["queue_wait_ms"] / total["started"], 1)
+                if total["started"]
+                else 0.0,
+                in_flight=own.in_flight if own else 0,
+                rejected=dict(own.rejected) if own else {},
+            )
+        )
+    return out
 
 
 router = APIRouter()
@@ -118,8 +148,11 @@ async def list_models(core: CoreDep) -> ModelList:
 
 
 @router.get("/v1/status", response_model=StatusResponse, responses=ERRORS)
-async def get_status(core: CoreDep) -> StatusResponse:
-    return await status(core)
+async def get_status(core: CoreDep, http: Request) -> StatusResponse:
+    """The replicas of every model; the tenants: all for the admin (and on a service without
+    keys), a user key's own otherwise."""
+    mine = None if core.requester(http) is None or not core.access.keys_required else core.tenant_of(http)
+    return await status(core, mine)
 
 
 @router.get("/", response_class=HTMLResponse, include_in_schema=False)
@@ -128,7 +161,7 @@ async def playground() -> HTMLResponse:
     return HTMLResponse(_PLAYGROUND)
 
 
-@router.get("/health", responses={503: {"model": ErrorResponse}})
+@router.get("/health", responses={400: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})
 async def health(core: CoreDep, model: str | None = None) -> dict[str, str]:
     """Readiness: 200 once a replica of the default model (or of `?model=`) has loaded and
     warmed it, 503 while none has."""

@@ -14,8 +14,11 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 from serve_app.engine import LoraError
+from serve_app.errors import InvalidRequest
+from serve_app.replica.routing import replica_id
 
 logger = logging.getLogger("ray.serve")
 
@@ -158,3 +161,35 @@ class AdapterResidency:
 
     def close(self) -> None:
         self._reader.shutdown(wait=False, cancel_futures=True)
+
+
+class AdapterControl:
+    """Mixed into the replica: the ingress's adapter calls (check, pin, evict, list)."""
+
+    adapters: AdapterResidency
+
+    async def _on_engine(self, fn, *args):
+        raise NotImplementedError  # the replica's: run `fn` on the engine thread
+
+    async def validate_lora(self, path: str) -> None:
+        """Load a candidate adapter under a scratch name and drop it again; LoraError -> 400."""
+        try:
+            await self._on_engine(self.adapters.check, path)
+        except LoraError as e:
+            raise InvalidRequest(f"path: {e}", param="path") from None
+
+    async def pin_lora(self, name: str, path: str, pinned: bool) -> list[str]:
+        if pinned:
+            try:
+                await self._on_engine(self.adapters.hold, name, path, True)
+            except LoraError as e:
+                raise InvalidRequest(f"pin: {e}", param="name") from None
+        else:
+            self.adapters.unpin(name)
+        return self.adapters.loaded
+
+    async def evict_lora(self, name: str) -> bool:
+        return await self._on_engine(self.adapters.drop, name)
+
+    def loaded_loras(self) -> dict[str, Any]:
+        return {"replica_id": replica_id(), "loaded": self.adapters.loaded, "pinned": self.adapters.pinned}

@@ -56,6 +56,9 @@ def _folder_digest(folder: Path, kind: Any) -> str:
     return h.hexdigest()
 
 
+_NEVER_SHARED = ("unet", "transformer", "prior", "scheduler")
+
+
 def component_fingerprints(directory: str) -> dict[str, str]:
     """Component name -> fingerprint, for each component folder model_index.json names (unet,
     vae, text_encoder, tokenizer, ...): equal fingerprints, identical components. {} for what
@@ -68,6 +71,8 @@ def component_fingerprints(directory: str) -> dict[str, str]:
     out = {}
     for name, kind in index.items():
         if name.startswith("_") or not (isinstance(kind, list) and kind and kind[-1]):
+            continue
+        if name in _NEVER_SHARED:  # each engine's own (and the largest files: not hashed)
             continue
         if (root / name).is_dir():
             out[name] = _folder_digest(root / name, kind)
@@ -135,7 +140,10 @@ class CheckpointResidency:
         return await asyncio.shield(loading[1])
 
     async def _load_into(self, name: str, source: str, done: asyncio.Future) -> None:
-        others = [(h.engine, h.fingerprints) for n, h in self._held.items() if n != name]
+        # What it may share is taken now; then room is made, so that a replica holds at most
+        # `max_held` engines while the new one loads (calls in flight keep theirs).
+        others = [(_components(h.engine), h.fingerprints) for n, h in self._held.items() if n != name]
+        self._make_room(name)
         current = True
         try:
             engine, fingerprints = await asyncio.get_running_loop().run_in_executor(
@@ -167,9 +175,7 @@ class CheckpointResidency:
         t = time.perf_counter()
         fingerprints = component_fingerprints(source) if os.path.isdir(source) else {}
         offered: dict[str, Any] = {}  # fingerprint -> a held engine's module
-        for engine, prints in others:
-            components = getattr(engine, "components", None)
-            modules = components() if callable(components) else {}
+        for modules, prints in others:
             for comp, module in modules.items():
                 if comp in prints:
                     offered.setdefault(prints[comp], module)
@@ -183,6 +189,20 @@ class CheckpointResidency:
             f" (sharing {', '.join(sorted(reuse))})" if reuse else "",
         )  # fmt: skip
         return engine, fingerprints
+
+    def _make_room(self, name: str) -> None:
+        """Before `name` loads: drop least recently used unpinned engines until it fits."""
+        evicted = False
+        while len([n for n in self._held if n != name]) >= self.max_held:
+            victim = next((n for n in self._held if n not in self._pinned and n != name), None)
+            if victim is None:
+                break
+            del self._held[victim]
+            self.evictions += 1
+            evicted = True
+            logger.info("evicted checkpoint %s to make room for %s", victim, name)
+        if evicted:
+            self._on_change(self.held)
 
     def _evict(self) -> None:
         """Drop least recently used unpinned engines until at most `max_held` are held (calls
@@ -233,3 +253,8 @@ class CheckpointResidency:
     def close(self) -> None:
         self._loader.shutdown(wait=False, cancel_futures=True)
         self._held.clear()
+
+
+def _components(engine) -> dict[str, Any]:
+    components = getattr(engine, "components", None)
+    return components() if callable(components) else {}

@@ -36,15 +36,16 @@ from serve_app.config import (
 from serve_app.engine import Engine, EngineOutput, LoraError, ModelLoadError
 from serve_app.engine.engine import engine_class
 from serve_app.engine.media import encode_output
-from serve_app.errors import InvalidRequest, Unavailable
+from serve_app.errors import Unavailable
 from serve_app.lora import Registry
-from serve_app.replica.adapters import AdapterResidency
+from serve_app.replica.adapters import AdapterControl, AdapterResidency
 from serve_app.replica.control import Profiler, call_exported, outcome
 from serve_app.replica.health import Health
 from serve_app.replica.intake import new_job, work
 from serve_app.replica.loop import EngineLoop
 from serve_app.replica.pool import CheckpointServing
 from serve_app.replica.results import build_result
+from serve_app.replica.routing import replica_id as _replica_id
 from serve_app.replica.scheduler import Job, Scheduler
 from serve_app.schemas import (
     GenerationResult,
@@ -58,7 +59,7 @@ from serve_app.schemas import (
 logger = logging.getLogger("ray.serve")
 
 
-class DiffusionReplica(CheckpointServing):
+class DiffusionReplica(AdapterControl, CheckpointServing):
     def __init__(
         self,
         model: ModelConfig | dict[str, Any],
@@ -69,6 +70,7 @@ class DiffusionReplica(CheckpointServing):
         engine_factory: Callable[[ModelConfig], Engine] | None = None,
         multiplex: MultiplexSettings | dict[str, Any] | None = None,
         checkpoints: CheckpointsConfig | dict[str, Any] | None = None,
+        default_model: str | None = None,
     ):
         # Typed settings pass through as they are (validated once, when the app was built).
         self.cfg = ModelConfig.model_validate(model)
@@ -114,7 +116,9 @@ class DiffusionReplica(CheckpointServing):
         # Converge to the registry before taking traffic: a replica that starts late (autoscaling,
         # a replacement) holds the pinned adapters like the others, without anyone asking.
         for name, entry in Registry(lora_cfg.registry_path).all().items():
-            if entry.get("pinned") and entry.get("model", self.cfg.served_name) == self.cfg.served_name:
+            # An entry that names no model (registered before there were several) is the default's.
+            owner = entry.get("model") or default_model or self.cfg.served_name
+            if entry.get("pinned") and owner == self.cfg.served_name:
                 try:
                     self._engine_thread.submit(self.adapters.hold, name, entry["path"], True).result()
                 except LoraError as e:  # a file gone or over the size budget: serve without it
@@ -187,7 +191,15 @@ class DiffusionReplica(CheckpointServing):
             self._loop_task = asyncio.get_running_loop().create_task(self.engine_loop.run())
         self._counts["accepted"] += 1
         metrics.set_queue_length(self.engine.model_name, self.queue_length())
+        self._tenant_load(job.tenant)
         return job
+
+    def _tenant_load(self, tenant: str) -> None:
+        s = self.scheduler
+        queued = sum(1 for j in s.queue if j.tenant == tenant)
+        metrics.tenant_load(
+            self.engine.model_name, tenant, queued, sum(1 for j in s.running if j.tenant == tenant)
+        )
 
     async def _finish(self, job: Job) -> GenerationResult:
         try:
@@ -220,15 +232,22 @@ class DiffusionReplica(CheckpointServing):
     def abort(self, request_ids: list[str], owner: str | None = None) -> dict[str, str]:
         """Abort by id among `owner`'s requests (None: anyone's): `aborted`, `finished`
         (already done, nothing to do) or `unknown`."""
-        return self.scheduler.abort(request_ids, owner)
+        return {**self._abort_pending(request_ids, owner), **self.scheduler.abort(request_ids, owner)}
 
     def _on_retire(self, job: Job, state: str) -> None:
         metrics.count_request(self.engine.model_name, state, len(job.rows))
+        if state == "done" and job.started is not None:
+            metrics.tenant_done(
+                self.engine.model_name, job.tenant, len(job.rows), (job.started - job.enqueued) * 1e3
+            )
+        self._tenant_load(job.tenant)
         self._counts[state] += 1
 
     def request_status(self, request_id: str, owner: str | None = None) -> RequestState | None:
         """Where `owner`'s request with this id is (None: anyone's; a running one first)."""
         s = self.scheduler
+        if self._pending_state(request_id, owner):  # waiting for its checkpoint to load
+            return RequestState(request_id=request_id, state="queued", replica_id=_replica_id())
         jobs, finished = s.find(request_id, owner)
         if jobs:
             job = min(jobs, key=lambda j: j.state != "running")
@@ -260,29 +279,6 @@ class DiffusionReplica(CheckpointServing):
 
     async def _on_engine(self, fn, *args):
         return await asyncio.get_running_loop().run_in_executor(self._engine_thread, fn, *args)
-
-    async def validate_lora(self, path: str) -> None:
-        """Load a candidate adapter under a scratch name and drop it again; LoraError -> 400."""
-        try:
-            await self._on_engine(self.adapters.check, path)
-        except LoraError as e:
-            raise InvalidRequest(f"path: {e}", param="path") from None
-
-    async def pin_lora(self, name: str, path: str, pinned: bool) -> list[str]:
-        if pinned:
-            try:
-                await self._on_engine(self.adapters.hold, name, path, True)
-            except LoraError as e:
-                raise InvalidRequest(f"pin: {e}", param="name") from None
-        else:
-            self.adapters.unpin(name)
-        return self.adapters.loaded
-
-    async def evict_lora(self, name: str) -> bool:
-        return await self._on_engine(self.adapters.drop, name)
-
-    def loaded_loras(self) -> dict[str, Any]:
-        return {"replica_id": _replica_id(), "loaded": self.adapters.loaded, "pinned": self.adapters.pinned}
 
     # ------------------------------------------------------------------ profiling and collective RPC
 
@@ -329,6 +325,8 @@ class DiffusionReplica(CheckpointServing):
             engine_failures_in_a_row=self.health.consecutive_failures,
             counts=counts,
             model=self.engine.model_name,
+            tenants=s.tenants(),
+            checkpoints_held=self.checkpoints.held if self.checkpoints is not None else [],
         )
 
     def queue_length(self) -> int:
@@ -364,13 +362,6 @@ def _node_id() -> str | None:
     import ray
 
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-
-
-def _replica_id() -> str:
-    try:
-        return serve.get_replica_context().replica_id.unique_id
-    except Exception:  # outside a Serve replica (tests that drive the replica directly)
-        return "local"
 
 
 def _rss_mb() -> float:

@@ -74,14 +74,18 @@ def new_job(engine: Engine, request: PreparedRequest, future: asyncio.Future, pr
     return Job(
         request_id=request.request_id,
         rows=rows,
-        key=(request.checkpoint, params, *kinds),
+        key=(request.checkpoint, request.checkpoint_source, params, *kinds),
         steps=params.steps,
         future=future,
         payload=Work(request, params, engine if request.checkpoint else None),
         preview_every=preview_every,
         adapters=tuple(r.name for r in request.loras),
-        join_key=(request.checkpoint, dataclasses.replace(params, **own), *kinds),
+        join_key=(request.checkpoint, request.checkpoint_source, dataclasses.replace(params, **own), *kinds),
         owner=request.owner,
+        tenant=request.tenant,
+        weight=request.tenant_weight,
+        # image-steps at its size (a 512x512 image-step is 1)
+        cost=len(rows) * params.steps * params.height * params.width / 512**2,
     )
 
 

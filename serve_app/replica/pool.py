@@ -11,12 +11,12 @@ import asyncio
 import logging
 from typing import Any
 
-from serve_app.checkpoints import CheckpointRegistry
+from serve_app.checkpoints import CheckpointRegistry, check_checkpoint_source
 from serve_app.config import CheckpointsConfig, ModelConfig, MultiplexSettings
 from serve_app.engine import Engine, ModelLoadError
-from serve_app.errors import InvalidRequest
+from serve_app.errors import Aborted, InvalidRequest
 from serve_app.replica.checkpoints import CheckpointResidency
-from serve_app.replica.routing import report_adapters
+from serve_app.replica.routing import replica_id, report_adapters
 from serve_app.schemas import CHECKPOINT_ID, PreparedRequest
 
 logger = logging.getLogger("ray.serve")
@@ -31,10 +31,20 @@ class CheckpointServing:
     def _init_routing(self) -> None:
         self._adapter_ids: list[str] = []
         self.checkpoints: CheckpointResidency | None = None
+        self._pending: dict[tuple[str, str], asyncio.Task] = {}  # requests whose checkpoint loads
+        try:  # Serve builds the replica on its event loop; the report is made there
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
 
     def _adapters_changed(self, names: list[str]) -> None:
+        """From the engine thread (adapter loads): report on the event loop, which owns the
+        checkpoints' list."""
         self._adapter_ids = list(names)
-        self._report_routing()
+        if self._loop is not None and self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._report_routing)
+        else:
+            self._report_routing()
 
     def _report_routing(self) -> None:
         held = self.checkpoints.held if self.checkpoints is not None else []
@@ -48,8 +58,14 @@ class CheckpointServing:
         base = self.cfg
 
         def load(name: str, source: str, reuse: dict) -> Engine:
-            cfg = base.model_copy(update={"source": source, "name": name, "aliases": [], "warmup": False})
-            return factory(cfg, reuse=reuse)
+            # Checked again here, where it is loaded: files may have changed since it was registered.
+            try:
+                source, _ = check_checkpoint_source(source, settings.allowed_roots, settings.allow_hub)
+            except InvalidRequest as e:
+                raise ModelLoadError(e.message.removeprefix("source: ")) from None
+            own = {"source": source, "name": name, "aliases": [], "warmup": False, "revision": None,
+                   "variant": None, "safetensors_only": True}  # fmt: skip
+            return factory(base.model_copy(update=own), reuse=reuse)
 
         self.checkpoints = CheckpointResidency(
             load, multiplex.max_models_per_replica, on_change=lambda names: self._report_routing()
@@ -88,14 +104,37 @@ class CheckpointServing:
                 param="model",
                 request_id=request.request_id,
             )
+        ident = (request.owner, request.request_id)
+        task = asyncio.ensure_future(self.checkpoints.engine(request.checkpoint, request.checkpoint_source))
+        self._pending[ident] = task  # abort and status see it while its checkpoint loads
         try:
-            return await self.checkpoints.engine(request.checkpoint, request.checkpoint_source)
+            return await task
+        except asyncio.CancelledError:
+            if task.cancelled() and not asyncio.current_task().cancelling():
+                raise Aborted(
+                    "request aborted while its checkpoint loaded", request_id=request.request_id
+                ) from None
+            raise
         except ModelLoadError as e:
             raise InvalidRequest(
                 f"model: checkpoint {request.checkpoint!r} cannot be loaded: {_no_paths(e)}",
                 param="model",
                 request_id=request.request_id,
             ) from None
+        finally:
+            self._pending.pop(ident, None)
+
+    def _abort_pending(self, request_ids: list[str], owner: str | None) -> dict[str, str]:
+        """Abort requests still waiting for their checkpoint's engine (not queued yet)."""
+        out = {}
+        for (who, rid), task in list(self._pending.items()):
+            if rid in request_ids and (owner is None or who == owner):
+                task.cancel()  # the load goes on for the others; this request ends `Aborted`
+                out[rid] = "aborted"
+        return out
+
+    def _pending_state(self, request_id: str, owner: str | None) -> bool:
+        return any(rid == request_id and (owner is None or who == owner) for who, rid in self._pending)
 
     # ------------------------------------------------------------------ control calls (the ingress's)
 
@@ -128,11 +167,9 @@ class CheckpointServing:
         return self.checkpoints.drop(name) if self.checkpoints is not None else False
 
     def held_checkpoints(self) -> dict[str, Any]:
-        from serve_app.replica.deployment import _replica_id
-
         r = self.checkpoints
         return {
-            "replica_id": _replica_id(),
+            "replica_id": replica_id(),
             "model": self.cfg.served_name,
             "held": r.held if r is not None else [],
             "pinned": r.pinned if r is not None else [],
@@ -143,7 +180,8 @@ class CheckpointServing:
 
 
 def _no_paths(e: Exception) -> str:
-    """A load error without the server's paths: only the last part of each is kept."""
+    """A load error without the server's paths: each absolute path (up to a quote or the end of
+    a line) is cut to its last part."""
     import re
 
-    return re.sub(r"(/[^\s'\":]+)+/([^\s'\"/:]+)", r"\2", str(e))
+    return re.sub(r"/[^'\"\n]*/([^'\"\n/]+)", r"\1", str(e))

@@ -31,3 +31,13 @@ def report_adapters(model_ids: list[str]) -> None:
         _get_global_client().record_request_routing_info(info)
     except Exception as e:  # outside Serve: routing just loses affinity
         logger.debug("could not report adapters for routing: %s", e)
+
+
+def replica_id() -> str:
+    """This replica's id in Serve ("local" outside Serve: tests that drive a replica directly)."""
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:
+        return "local"

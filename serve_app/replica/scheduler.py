@@ -49,6 +49,12 @@ class Job:
     # Whose request it is: its id names it only among its owner's requests ("" for handle
     # callers and callers without a key). Ids of other owners are unknown to a caller.
     owner: str = ""
+    # Its tenant, the tenant's weight and what the job costs (image-steps at its size): the
+    # queue serves tenants in weighted fair order of this cost (start-time fair queueing).
+    tenant: str = ""
+    weight: float = 1.0
+    cost: float = 1.0
+    start_tag: float = 0.0
 
     @property
     def ident(self) -> tuple[str, str]:
@@ -89,6 +95,14 @@ class Scheduler:
         self._last_call: _LastCall | None = None
         self._wakeup = asyncio.Event()
         self._on_retire = on_retire
+        # Start-time fair queueing: a job's start tag is the later of the virtual time (the tag
+        # of the work last started) and its tenant's previous finish tag; the queue is kept in
+        # start-tag order. One tenant alone: arrival order, and all of the replica.
+        self._vtime = 0.0
+        self._finish: dict[str, float] = {}
+        self.tenant_stats: collections.defaultdict[str, collections.Counter] = collections.defaultdict(
+            collections.Counter
+        )
 
     # ------------------------------------------------------------------ the queue
 
@@ -97,7 +111,12 @@ class Scheduler:
             raise InvalidRequest(
                 f"request_id: {job.request_id!r} is already queued or running", param="request_id"
             )
-        self.queue.append(job)
+        job.start_tag = max(self._vtime, self._finish.get(job.tenant, 0.0))
+        self._finish[job.tenant] = job.start_tag + job.cost / job.weight
+        k = len(self.queue)
+        while k > 0 and self.queue[k - 1].start_tag > job.start_tag:
+            k -= 1  # behind every job of an earlier or equal tag: arrival order among equals
+        self.queue.insert(k, job)
         self.jobs[job.ident] = job
         self._wakeup.set()
 
@@ -152,7 +171,8 @@ class Scheduler:
             return max(head.enqueued, last.ended) + window
         until = head.enqueued + window
         if self.batching.batch_gap_ms > 0:
-            until = min(until, self.queue[-1].enqueued + self.batching.batch_gap_ms / 1e3)
+            newest = max(j.enqueued for j in self.queue)  # the queue is in fair order, not arrival
+            until = min(until, newest + self.batching.batch_gap_ms / 1e3)
         return until
 
     async def next_batch(self) -> list[Job]:
@@ -179,8 +199,10 @@ class Scheduler:
             if not self.queue:
                 continue
             now = time.perf_counter()
+            self._vtime = max(self._vtime, batch[0].start_tag)
             for job in batch:
                 self.queue.remove(job)
+                self._count_start(job, now)
                 job.state, job.started = "running", now
                 calls = -(-len(job.rows) // self.batching.max_batch_images)
                 job.total_steps = job.steps * calls
@@ -196,10 +218,30 @@ class Scheduler:
             if job.join_key != join_key or len(job.rows) > room or not fits(job):
                 break
             self.queue.remove(job)
+            self._vtime = max(self._vtime, job.start_tag)
+            self._count_start(job, time.perf_counter())
             job.state, job.started, job.total_steps = "running", time.perf_counter(), job.steps
             self.running.append(job)
             out.append(job)
             room -= len(job.rows)
+        return out
+
+    def _count_start(self, job: Job, now: float) -> None:
+        stats = self.tenant_stats[job.tenant]
+        stats["started"] += 1
+        stats["queue_wait_us"] += int((now - job.enqueued) * 1e6)
+
+    def tenants(self) -> dict[str, dict[str, int]]:
+        """Per tenant: queued and running requests and images, images done, queue wait (ms)."""
+        out: dict[str, dict[str, int]] = {}
+        for name, c in self.tenant_stats.items():
+            out[name] = {"images_done": c["images_done"], "started": c["started"],
+                         "queue_wait_ms": c["queue_wait_us"] // 1000}  # fmt: skip
+        for where, jobs in (("queued", self.queue), ("running", self.running)):
+            for j in jobs:
+                t = out.setdefault(j.tenant, {"images_done": 0, "started": 0, "queue_wait_ms": 0})
+                t[f"{where}_requests"] = t.get(f"{where}_requests", 0) + 1
+                t[f"{where}_images"] = t.get(f"{where}_images", 0) + len(j.rows)
         return out
 
     def left(self, job: Job) -> None:
@@ -217,6 +259,8 @@ class Scheduler:
 
     def retire(self, job: Job, state: State, error: str | None = None) -> None:
         job.state = state
+        if state == "done":
+            self.tenant_stats[job.tenant]["images_done"] += len(job.rows)
         self.jobs.pop(job.ident, None)
         self.finished[job.ident] = FinishedRecord(state, job.step, job.total_steps or job.steps, error)
         while len(self.finished) > FINISHED_KEPT:

@@ -47,6 +47,7 @@ from serve_app.schemas.control import (
     RequestState,
     RpcCall,
     StatusResponse,
+    TenantStatus,
 )
 from serve_app.schemas.generation import _LORA_ALIASES as _LORA_ALIASES
 from serve_app.schemas.generation import BatchGenerationRequest, GenerationParams, GenerationRequest, LoraRef
@@ -144,6 +145,7 @@ __all__ = [
     "RpcCall",
     "StageMetrics",
     "StatusResponse",
+    "TenantStatus",
     "StepEvent",
     "TensorPayload",
     "Trajectory",

@@ -29,6 +29,10 @@ class ReplicaStats(BaseModel):
     engine_failures_in_a_row: int
     counts: dict[str, int]
     model: str = ""
+    tenants: dict[str, dict[str, int]] = Field(
+        default_factory=dict,
+        description="Per tenant: queued and running requests and images, images done, queue wait (ms).",
+    )
     checkpoints_held: list[str] = Field(
         default_factory=list, description="A pool's registered checkpoints this replica holds."
     )
@@ -44,11 +48,29 @@ class ModelStatus(BaseModel):
     error: str | None = None
 
 
+class TenantStatus(BaseModel):
+    """One tenant in `GET /v1/status`: over every replica, and this ingress's quota counts."""
+
+    tenant: str
+    weight: float
+    queued_requests: int = 0
+    running_requests: int = 0
+    queued_images: int = 0
+    running_images: int = 0
+    images_done: int = 0
+    queue_wait_ms_mean: float = 0.0
+    in_flight: int = Field(0, description="Its requests in flight through this ingress.")
+    rejected: dict[str, int] = Field(default_factory=dict, description="Refused by each quota, here.")
+
+
 class StatusResponse(BaseModel):
     model: str = Field(description="The default model.")
     replicas: list[ReplicaStats] = Field(description="Every model's replicas (each says its model).")
     queue_length: int
     models: list[ModelStatus] = Field(default_factory=list)
+    tenants: list[TenantStatus] = Field(
+        default_factory=list, description="Every tenant (the admin, an open service) or the caller's own."
+    )
 
 
 class RequestState(_Wire):

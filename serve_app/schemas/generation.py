@@ -93,6 +93,12 @@ class _ImageInputs(_Wire):
 
     image: InputImage | None = Field(None, description="The image to edit.")
     mask: InputImage | None = Field(None, description="Where to paint: transparent (alpha) or white.")
+    tenant: str | None = Field(
+        None,
+        max_length=64,
+        description="Handle callers: the configured tenant the request counts against (its fair share "
+        "and quotas); default `default`. An HTTP request's tenant is its API key's.",
+    )
 
     @model_validator(mode="after")
     def _mask_needs_image(self):

@@ -70,6 +70,9 @@ class PreparedRequest(_Wire):
     # The model it was prepared for (its served name) and, on a pool, the registered checkpoint
     # it runs on (with its resolved source); None: the pool's own model.
     model: str = ""
+    # Its tenant (who shares the replicas' fair queues) and the tenant's weight there.
+    tenant: str = "default"
+    tenant_weight: float = 1.0
     checkpoint: str | None = None
     checkpoint_source: str | None = None
 
@@ -95,6 +98,8 @@ class PreparedRequest(_Wire):
         model: str = "",
         checkpoint: str | None = None,
         checkpoint_source: str | None = None,
+        tenant: str = "default",
+        tenant_weight: float = 1.0,
     ) -> PreparedRequest:
         """`request` with the given values wherever it left a field to the server."""
         return cls(
@@ -127,6 +132,8 @@ class PreparedRequest(_Wire):
             model=model,
             checkpoint=checkpoint,
             checkpoint_source=checkpoint_source,
+            tenant=tenant,
+            tenant_weight=tenant_weight,
             **{name: getattr(request, name, None) for name in EMBEDS_FIELDS},
         )
 

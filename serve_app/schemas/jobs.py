@@ -71,6 +71,7 @@ class JobRecord(Job):
     caller: str = Field("", description="A digest of the submitting API key: only it sees the job.")
     base_url: str = Field("", description="Where the links of its outputs point.")
     body_hash: str | None = Field(None, description="Of the submitted body, for idempotency keys.")
+    tenant: str = Field("default", description="The tenant it counts against.")
 
     def public(self) -> Job:
         return Job.model_validate(self.model_dump(include=set(Job.model_fields)))
