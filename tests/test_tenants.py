@@ -20,7 +20,7 @@ from serve_app.ingress.tenants import Tenants
 from serve_app.replica.scheduler import Job, Scheduler
 from serve_app.schemas import PreparedRequest
 from serve_app.testing import SLOW_MARKER
-from tests.conftest import TEST_ARGS, deploy
+from tests.conftest import TEST_ARGS, deploy, wait_for
 
 # ---------------------------------------------------------------- the fair queue (pure policy)
 
@@ -60,6 +60,30 @@ def test_weights_three_to_one_give_three_to_one_while_both_are_backlogged():
 
 def jobs_copy(jobs: list[Job]) -> list[Job]:
     return [job(k, j.tenant, j.weight) for k, j in enumerate(jobs)]
+
+
+def test_aborted_jobs_are_not_charged_and_an_idle_replica_forgets_old_debts():
+    s = Scheduler(BatchingConfig(max_batch_images=1, batch_wait_ms=0))
+    flood = [job(i, "a") for i in range(50)]
+    for j in flood:
+        s.submit(j)
+    for j in flood:
+        s.abort_job(j, "aborted")
+    for j in [*(job(100 + i, "b") for i in range(30)), job(200, "a")]:
+        s.submit(j)
+    first = [asyncio.run(s.next_batch())[0].tenant for _ in range(3)]
+    assert "a" in first, first  # charged for the 50 it never ran, it would start 31st
+
+    s = Scheduler(BatchingConfig(max_batch_images=1, batch_wait_ms=0))
+    s.submit(job(0, "a", images=40))
+    (big,) = asyncio.run(s.next_batch())
+    s.retire(big, "done")
+    s.call_ended([big])  # drained: the replica is idle
+    for i in range(10):
+        s.submit(job(10 + i, "a"))
+        s.submit(job(30 + i, "b"))
+    order = [asyncio.run(s.next_batch())[0].tenant for _ in range(4)]
+    assert order.count("a") == 2, order  # not all of b's first: a's old job is paid for
 
 
 def test_one_tenant_alone_is_served_in_arrival_order_and_costs_count():
@@ -125,10 +149,12 @@ def test_each_quota_refuses_with_its_name_and_headers_and_jobs_wait_instead():
         headers = e.value.headers()
         assert e.value.param == "images_per_minute" and headers["x-ratelimit-limit-images"] == "2"
         assert headers["x-ratelimit-remaining-images"] == "0" and int(headers["Retry-After"]) >= 1
-        with pytest.raises(QuotaExceeded, match="more than a minute's") as e:
+        with pytest.raises(InvalidRequest, match="more than a minute's") as e:  # never, so no 429
             async with tenants.admit(prepared("s", images=1, steps=20)):
                 pass
         assert e.value.param == "image_steps_per_minute"
+        with pytest.raises(InvalidRequest):
+            await tenants.wait_for_room(prepared("s", images=1, steps=20))  # a job fails, never waits
         with pytest.raises(InvalidRequest) as e:
             tenants.named("nobody")
         assert e.value.param == "tenant"
@@ -179,14 +205,30 @@ def status(base_url: str, key: str) -> dict:
 @pytest.mark.slow
 def test_quotas_over_http_are_429s_that_never_count_against_the_replica(tenants_app, base_url):
     before = status(base_url, ADMIN)["replicas"][0]
-    with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        slow = [pool.submit(call, base_url, KEY_A, prompt=f"{SLOW_MARKER} {i}") for i in range(3)]
+
+    def in_flight() -> int:
+        return next(
+            (t["in_flight"] for t in status(base_url, ADMIN)["tenants"] if t["tenant"] == "team-a"), 0
+        )
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        slow = [pool.submit(call, base_url, KEY_A, prompt=f"{SLOW_MARKER} {i}", num_inference_steps=20)
+                for i in range(2)]  # fmt: skip
+        wait_for(lambda: in_flight() == 2, 60, 0.05)
+        refused = call(base_url, KEY_A)
+        streamed = call(base_url, KEY_A, stream=True)  # refused before a stream opens: a real 429
         answers = [f.result() for f in slow]
-    refused = [r for r in answers if r.status_code == 429]
-    assert len(refused) == 1 and sum(r.status_code == 200 for r in answers) == 2, [r.text for r in answers]
-    err = refused[0].json()["error"]
-    assert err["code"] == "quota_exceeded" and err["param"] == "max_concurrent" and "team-a" in err["message"]
-    assert refused[0].headers["Retry-After"] and refused[0].headers["x-ratelimit-remaining-requests"] == "0"
+    assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+    for r in (refused, streamed):
+        assert r.status_code == 429 and r.headers["content-type"].startswith("application/json"), r.text
+        err = r.json()["error"]
+        assert (
+            err["code"] == "quota_exceeded"
+            and err["param"] == "max_concurrent"
+            and "team-a" in err["message"]
+        )
+        assert r.headers["Retry-After"] and r.headers["x-ratelimit-remaining-requests"] == "0"
+    assert in_flight() == 0  # every place given back, the refused stream's too
 
     assert call(base_url, KEY_B, n=2).status_code == 200
     rate = call(base_url, KEY_B)
@@ -202,10 +244,11 @@ def test_quotas_over_http_are_429s_that_never_count_against_the_replica(tenants_
     assert after["engine_failures_in_a_row"] == 0
     assert after["counts"].get("failed", 0) == before["counts"].get("failed", 0)
     seen = {t["tenant"]: t for t in status(base_url, ADMIN)["tenants"]}
-    assert seen["team-a"]["rejected"] == {"max_concurrent": 1} and seen["team-a"]["images_done"] >= 2
+    assert seen["team-a"]["rejected"] == {"max_concurrent": 2} and seen["team-a"]["images_done"] >= 2
     assert seen["team-b"]["rejected"] == {"images_per_minute": 1}
-    mine = status(base_url, KEY_A)["tenants"]
-    assert [t["tenant"] for t in mine] == ["team-a"]  # a user key sees its own tenant only
+    mine = status(base_url, KEY_A)
+    assert [t["tenant"] for t in mine["tenants"]] == ["team-a"]  # a user key sees its own tenant only
+    assert all(set(r["tenants"]) <= {"team-a"} for r in mine["replicas"])
 
 
 @pytest.mark.slow
@@ -229,3 +272,12 @@ def test_handle_callers_name_a_tenant_and_weights_share_the_replica(tenants_app,
     assert first["heavy"] >= 10, (first, done)  # about 12 of 16 at weights 3:1; FIFO gives 8
     seen = {t["tenant"]: t for t in status(base_url, ADMIN)["tenants"]}
     assert seen["heavy"]["images_done"] == 16 and seen["light"]["images_done"] == 16
+
+
+def test_on_a_service_without_keys_a_made_up_key_is_no_tenant_of_its_own(client):
+    r = client.post(
+        "/v1/images/generations", json={"prompt": "x"}, headers={"Authorization": "Bearer made-up"}
+    )
+    assert r.status_code == 200, r.text
+    names = [t["tenant"] for t in client.get("/v1/status").json()["tenants"]]
+    assert "default" in names and not any(n.startswith("key-") for n in names), names

@@ -83,10 +83,10 @@ class Core:
             request = validated(kind, request)
         if isinstance(request, PreparedRequest):
             await self.target(request).ensure_ready()
+            update = {"tenant_weight": self.tenants.named(request.tenant, implicit=True).cfg.weight}
             if request.checkpoint is not None:  # its source as registered now, never the caller's
-                _, _, source = self.models.find(request.checkpoint)
-                request = request.model_copy(update={"checkpoint_source": source})
-            return request
+                update["checkpoint_source"] = self.models.find(request.checkpoint)[2]
+            return request.model_copy(update=update)
         served, checkpoint, source = self.models.find(request.model)
         tenant = self.tenants.named(request.tenant)
         await served.ensure_ready()
@@ -183,7 +183,7 @@ class Core:
         return results[-1]
 
     async def stream(
-        self, request: AnyRequest, preview_every: int = 0, restart: bool = False
+        self, request: AnyRequest, preview_every: int = 0, restart: bool = False, admitted: bool = False
     ) -> AsyncIterator[StepEvent | GenerationResult]:
         """A `StepEvent` per step, then the result, within its tenant's quotas. A replica lost
         mid-stream ends the stream with an error, unless `restart`: then the request runs again
@@ -194,6 +194,10 @@ class Core:
         def start(handle: DeploymentHandle):
             return handle.options(stream=True).generate_stream.remote(prepared, preview_every)
 
+        if admitted:  # the caller holds the tenant's place (an HTTP stream: its 429 comes first)
+            async for event in self._attempts(prepared, start, restart):
+                yield event
+            return
         async with self.tenants.admit(prepared, wait=restart):
             async for event in self._attempts(prepared, start, restart):
                 yield event
@@ -277,7 +281,10 @@ class Core:
         return hmac.new(self._caller_key, key.encode(), hashlib.sha256).hexdigest()[:32]
 
     def tenant_of(self, http: Request) -> str:
-        """The tenant of an HTTP request: its API key's."""
+        """The tenant of an HTTP request: its API key's; on a service without keys, `default`
+        whatever the request sends (a made-up key is no tenant of its own)."""
+        if not self.access.keys_required:
+            return self.tenants.of_key("")
         return self.tenants.of_key(self.access.bearer(http.headers.get("authorization", "")))
 
     def requester(self, http: Request) -> str | None:

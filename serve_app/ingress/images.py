@@ -2,8 +2,11 @@
 videos. Each parses its body, and `generate` does the rest the same way for all of them:
 the answer as JSON, as a stream, or as an asynchronous job."""
 
+import contextlib
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
 
 from serve_app.errors import InvalidRequest
 from serve_app.ingress import present
@@ -104,22 +107,38 @@ async def generate(
     # is its caller's (only they, or the admin, may read its state or abort it).
     request = (await core.prepare(request)).model_copy(update={"owner": core.caller(http)})
     if body.stream:
+        # The tenant's place is taken now: past a quota the answer is its 429, not a stream.
+        place = contextlib.AsyncExitStack()
+        await place.enter_async_context(core.tenants.admit(request))
         if body.partial_images is not None:
             every = present.preview_every(request, body.partial_images)
             events = present.openai_stream(
-                core.stream(request, every), request, body.partial_images, stream_kind
+                core.stream(request, every, admitted=True), request, body.partial_images, stream_kind
             )
         else:
 
             async def urls(result):
                 return await desk.links.urls(result, body.response_format, base)
 
-            events = present.step_stream(core.stream(request, body.preview_every), request, urls)
+            stream = core.stream(request, body.preview_every, admitted=True)
+            events = present.step_stream(stream, request, urls)
         return StreamingResponse(
-            events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+            _holding(events, place),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache"},
+            background=BackgroundTask(place.aclose),  # a stream never read gives the place back too
         )
     result = await core.submit(request)
     # Serve's proxy sets the X-Request-Id response header to its own request id, which is
     # ours unless the body chose another one.
     urls = await desk.links.urls(result, body.response_format, base)
     return JSONResponse(present.images_response(result, urls, request))
+
+
+async def _holding(events, place: contextlib.AsyncExitStack):
+    """A stream's events, its tenant's place given back when it ends however it ends."""
+    try:
+        async for event in events:
+            yield event
+    finally:
+        await place.aclose()

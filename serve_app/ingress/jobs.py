@@ -33,7 +33,12 @@ class JobDesk:
     def __init__(self, core: Core, store: Store, links: Links, abort):
         self.core, self.store, self.links, self.cfg = core, store, links, core.cfg.jobs
         self.runner = JobRunner(
-            store, self.cfg, lambda request: core.stream(request, restart=True), abort, links.present
+            store,
+            self.cfg,
+            lambda request: core.stream(request, restart=True),
+            abort,
+            links.present,
+            room=core.tenants.wait_for_room,
         )
         try:
             asyncio.get_running_loop()
@@ -55,7 +60,9 @@ class JobDesk:
         if key is not None and (existing := await asyncio.to_thread(self.store.load_job, job_id)):
             return self._same_job(existing, digest)
         self._check_room(caller)
-        with self.runner.admission(caller):  # counted from the check on (no await between): bursts too
+        with self.runner.admission(
+            caller, request.tenant or ""
+        ):  # counted from the check on (no await between): bursts too
             base = self.links.base_url(http)
             job = await self._admit(request, route, hook, caller, job_id, digest, base)
         if job is None:  # the same key, sent twice at once
@@ -90,7 +97,9 @@ class JobDesk:
         waiting = sum(
             1 for j in self.runner.jobs.values() if j.tenant == prepared.tenant and j.state == "queued"
         )
-        self.core.tenants.check_queued(prepared.tenant, waiting)
+        # and its tenant's other submissions being admitted at this moment (a burst; this one is one)
+        admitting = sum(1 for _, t in self.runner.admitting.values() if t == prepared.tenant)
+        self.core.tenants.check_queued(prepared.tenant, waiting + admitting - 1)
         job = JobRecord(
             id=job_id,
             route=route,

@@ -105,12 +105,16 @@ async def status(core: Core, tenant: str | None = None) -> StatusResponse:
     if all(not s.replicas for s in per_model):
         raise answers[0]
     every = [r for s in per_model for r in s.replicas]
+    tenants = _tenants(core, every, tenant)
+    if tenant is not None:  # a user key: no other tenant's name or figures anywhere
+        for r in every:
+            r.tenants = {k: v for k, v in r.tenants.items() if k == tenant}
     return StatusResponse(
         model=core.models.default.name,
         replicas=every,
         queue_length=sum(s.queue_length for s in per_model),
         models=per_model,
-        tenants=_tenants(core, every, tenant),
+        tenants=tenants,
     )
 
 

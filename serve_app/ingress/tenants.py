@@ -24,7 +24,7 @@ from serve_app.schemas import PreparedRequest
 
 DEFAULT = "default"
 # A key that is in no tenant is a tenant of its own, named by a digest of the key.
-IMPLICIT = re.compile(r"key-[0-9a-f]{8}")
+IMPLICIT = re.compile(r"key-[0-9a-f]{16}")
 
 
 class _Bucket:
@@ -83,17 +83,23 @@ class Tenants:
         return tuple(self._by_key)
 
     def of_key(self, key: str) -> str:
-        """The tenant of a request sent with `key` ("": none)."""
+        """The tenant of a request sent with an accepted `key` ("": none)."""
         if not key:
             return DEFAULT
-        return self._by_key.get(key) or "key-" + self._digest(key)[:8]
+        name = self._by_key.get(key)
+        if name is None:
+            name = "key-" + self._digest(key)[:16]
+            self.named(name, implicit=True)
+        return name
 
-    def named(self, name: str | None) -> Tenant:
-        """The tenant called `name` (None: `default`); an unknown name is a 400 naming `tenant`."""
+    def named(self, name: str | None, implicit: bool = False) -> Tenant:
+        """The tenant called `name` (None: `default`): a configured one, or a key's own that this
+        ingress has met; with `implicit` also one it has not (a stored job's, resumed here).
+        Another name is a 400 naming `tenant`."""
         name = name or DEFAULT
         tenant = self._tenants.get(name)
         if tenant is None:
-            if not IMPLICIT.fullmatch(name):
+            if not (implicit and IMPLICIT.fullmatch(name)):
                 raise InvalidRequest(f"tenant: {name[:64]!r} is not a configured tenant", param="tenant")
             tenant = self._tenants[name] = _tenant(TenantConfig(name=name))
         return tenant
@@ -109,13 +115,30 @@ class Tenants:
     async def admit(self, request: PreparedRequest, wait: bool = False):
         """Hold one of the tenant's in-flight places and take the request's images and
         image-steps from its rates; past a quota: `QuotaExceeded`, or with `wait` (jobs) wait."""
-        tenant = self.named(request.tenant)
-        images = len(request.prompts) * request.num_images
-        need = {"images_per_minute": images, "image_steps_per_minute": images * request.num_inference_steps}
-        while True:
-            problem = self._problem(tenant, need)
-            if problem is None:
-                break
+        tenant = await self._room(request, wait)
+        for name, n in _need(request).items():
+            if name in tenant.buckets:
+                tenant.buckets[name].take(n)
+        tenant.in_flight += 1
+        try:
+            yield tenant
+        finally:
+            tenant.in_flight -= 1
+            async with tenant.room:
+                tenant.room.notify_all()  # all: a waiter cancelled after a notify loses no wakeup
+
+    async def wait_for_room(self, request: PreparedRequest) -> None:
+        """Until the request's tenant has room for it (a job, before it takes a run slot)."""
+        await self._room(request, True)
+
+    async def _room(self, request: PreparedRequest, wait: bool) -> Tenant:
+        tenant = self.named(request.tenant, implicit=True)
+        need = _need(request)
+        while (problem := self._problem(tenant, need)) is not None:
+            if problem.wait_s == math.inf:  # more than a minute's worth: never, so not a 429
+                raise InvalidRequest(
+                    f"quota: {problem.message}", param=problem.param, request_id=request.request_id
+                )
             if not wait:
                 tenant.rejected[problem.param] += 1
                 metrics.tenant_rejected(tenant.name, problem.param)
@@ -125,16 +148,7 @@ class Tenants:
                     await tenant.room.wait_for(lambda: tenant.in_flight < tenant.cfg.max_concurrent)
             else:
                 await asyncio.sleep(min(60.0, problem.wait_s))
-        for name, n in need.items():
-            if name in tenant.buckets:
-                tenant.buckets[name].take(n)
-        tenant.in_flight += 1
-        try:
-            yield tenant
-        finally:
-            tenant.in_flight -= 1
-            async with tenant.room:
-                tenant.room.notify()
+        return tenant
 
     def _problem(self, tenant: Tenant, need: dict[str, float]) -> _Refusal | None:
         cap = tenant.cfg.max_concurrent
@@ -169,7 +183,7 @@ class Tenants:
 
     def check_queued(self, name: str, queued: int) -> None:
         """A job about to be stored: 429 past the tenant's `max_queued` waiting jobs."""
-        tenant = self.named(name)
+        tenant = self.named(name, implicit=True)
         cap = tenant.cfg.max_queued
         if cap is not None and queued >= cap:
             tenant.rejected["max_queued"] += 1
@@ -207,3 +221,8 @@ def _tenant(cfg: TenantConfig) -> Tenant:
         if (rate := getattr(cfg, name)) is not None
     }
     return Tenant(cfg, buckets=buckets, room=asyncio.Condition())
+
+
+def _need(request: PreparedRequest) -> dict[str, float]:
+    images = len(request.prompts) * request.num_images
+    return {"images_per_minute": images, "image_steps_per_minute": images * request.num_inference_steps}

@@ -48,8 +48,10 @@ class JobRunner:
         stream: Stream,
         abort: Callable[[str], Awaitable[Any]],
         present: Callable[[JobRecord], Any],
+        room: Callable[[PreparedRequest], Awaitable[None]] | None = None,
     ):
         self.store, self.cfg, self.stream, self.abort_request = store, cfg, stream, abort
+        self.room = room  # waits until the job's tenant has room, before it takes a run slot
         self.present = present  # a job as callers see it, with fresh links to its outputs
         self.owner = uuid.uuid4().hex[:12]
         self.jobs: dict[str, JobRecord] = {}  # the jobs this ingress runs, as it last saved them
@@ -64,7 +66,7 @@ class JobRunner:
         self._slots: asyncio.Semaphore | None = None
         self.waiting: set[str] = set()  # jobs held here until a slot frees
         # The caller of each job being admitted, by the task admitting it (see `admission`).
-        self._admitting: dict[asyncio.Task, str] = {}
+        self.admitting: dict[asyncio.Task, tuple[str, str]] = {}  # (caller, tenant)
 
     def start(self) -> None:
         """Start the background loop (renew, resume, prune); call from the event loop."""
@@ -85,7 +87,7 @@ class JobRunner:
             return None
         await asyncio.to_thread(self.store.renew, job.id, self.owner, time.time() + self.cfg.lease_s)
         # Counted in `jobs` from here on: its admission ends now, so that it is never counted twice.
-        self._admitting.pop(asyncio.current_task(), None)
+        self.admitting.pop(asyncio.current_task(), None)
         self._run(job, request)
         return job
 
@@ -160,26 +162,31 @@ class JobRunner:
 
     def unfinished(self, caller: str | None = None) -> int:
         """Jobs this ingress runs, holds or is admitting that have not ended (of `caller`, or of all)."""
-        admitting = sum(1 for c in self._admitting.values() if caller is None or c == caller)
+        admitting = sum(1 for c, _ in self.admitting.values() if caller is None or c == caller)
         return admitting + sum(1 for j in self.jobs.values() if caller is None or j.caller == caller)
 
     @contextlib.contextmanager
-    def admission(self, caller: str):
+    def admission(self, caller: str, tenant: str = ""):
         """Counts a job being checked and stored as unfinished, so that a burst of submissions
         sent at once is bounded like the same jobs sent one by one. The count ends when `submit`,
         awaited in the same task, puts the job among the jobs this ingress runs, or at the end."""
         task = asyncio.current_task()
-        self._admitting[task] = caller
+        self.admitting[task] = (caller, tenant)
         try:
             yield
         finally:
-            self._admitting.pop(task, None)
+            self.admitting.pop(task, None)
 
     async def _execute(self, job: JobRecord, request: PreparedRequest) -> None:
         """Hold the job here until a run slot frees, then run it."""
         self.start()  # the slots, and a background loop that died is started again
         self.waiting.add(job.id)
         try:
+            try:  # a tenant past its quota holds no slot others could use
+                await self.room(request) if self.room is not None else None
+            except ServingError as e:  # a bound it can never meet (more than a minute's rate)
+                job.state, job.error, job.finished_at = "failed", e.to_body()["error"], time.time()
+                return self._notify(job, "completed") if await self._save(job) else None
             async with self._slots:
                 self.waiting.discard(job.id)
                 await self._stream(job, request)

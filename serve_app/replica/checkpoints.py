@@ -106,7 +106,9 @@ class CheckpointResidency:
         self._loading: dict[str, tuple[str, asyncio.Future]] = {}
         self._dropped: set[str] = set()  # dropped while loading: not held when the load ends
         self._tasks: set[asyncio.Task] = set()
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-loader")
+        self._loader = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="checkpoint-loader", initializer=_lower_priority
+        )
         self._counts_lock = threading.Lock()
         self.loads = 0
         self.evictions = 0
@@ -258,3 +260,12 @@ class CheckpointResidency:
 def _components(engine) -> dict[str, Any]:
     components = getattr(engine, "components", None)
     return components() if callable(components) else {}
+
+
+def _lower_priority() -> None:
+    """The loader thread yields the cores to the engine thread (Linux: a thread's own nice value):
+    a load may take longer, the calls of the models held must not."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):  # not Linux, or not allowed: load at the same priority
+        pass

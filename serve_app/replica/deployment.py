@@ -335,6 +335,8 @@ class DiffusionReplica(AdapterControl, CheckpointServing):
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve calls this every `metrics_interval_s`; serve_app.autoscaling reads it."""
+        for tenant in {j.tenant for j in (*self.scheduler.queue, *self.scheduler.running)}:
+            self._tenant_load(tenant)  # running ones too: started since their last change
         n = self.queue_length()
         metrics.set_queue_length(self.engine.model_name, n)
         return {QUEUE_LENGTH_METRIC: float(n)}

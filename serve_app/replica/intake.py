@@ -84,8 +84,14 @@ def new_job(engine: Engine, request: PreparedRequest, future: asyncio.Future, pr
         owner=request.owner,
         tenant=request.tenant,
         weight=request.tenant_weight,
-        # image-steps at its size (a 512x512 image-step is 1)
-        cost=len(rows) * params.steps * params.height * params.width / 512**2,
+        # image-steps at its size (a 512x512 image-step is 1), frames and strength counted
+        cost=len(rows)
+        * params.steps
+        * params.height
+        * params.width
+        / 512**2
+        * (params.num_frames or 1)
+        * (params.strength if params.strength is not None else 1.0),
     )
 
 

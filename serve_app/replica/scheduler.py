@@ -111,6 +111,9 @@ class Scheduler:
             raise InvalidRequest(
                 f"request_id: {job.request_id!r} is already queued or running", param="request_id"
             )
+        if not self.queue and not self.running:  # a busy period ends: nobody owes anything
+            self._vtime = max([self._vtime, *self._finish.values()])
+            self._finish.clear()
         job.start_tag = max(self._vtime, self._finish.get(job.tenant, 0.0))
         self._finish[job.tenant] = job.start_tag + job.cost / job.weight
         k = len(self.queue)
@@ -268,10 +271,23 @@ class Scheduler:
         if self._on_retire is not None:
             self._on_retire(job, state)
 
+    def _leave_queue(self, job: Job) -> None:
+        """A queued job leaves without running (aborted, failed): its tenant is not charged for
+        it, so its later jobs move up by its share."""
+        self.queue.remove(job)
+        share = job.cost / job.weight
+        if job.tenant in self._finish:
+            self._finish[job.tenant] -= share
+        later = [j for j in self.queue if j.tenant == job.tenant and j.start_tag > job.start_tag]
+        for j in later:
+            j.start_tag -= share
+        if later:
+            self.queue = collections.deque(sorted(self.queue, key=lambda j: j.start_tag))  # stable
+
     def fail(self, job: Job, err: ServingError) -> None:
         """End a queued or running job with `err` (a copy for its own request id)."""
         if job.state == "queued":
-            self.queue.remove(job)
+            self._leave_queue(job)
         if job.state in ("queued", "running"):
             self.retire(job, "failed", err.message)
         if not job.future.done():
@@ -304,7 +320,7 @@ class Scheduler:
             return False
         was = job.state
         if was == "queued":
-            self.queue.remove(job)
+            self._leave_queue(job)
         self.retire(job, "aborted")
         if not job.future.done():
             job.future.set_exception(Aborted(f"request {why} while {was}", request_id=job.request_id))
