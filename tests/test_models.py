@@ -12,6 +12,7 @@ import copy
 import io
 import shutil
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -348,3 +349,28 @@ def test_a_hot_model_keeps_serving_while_a_checkpoint_loads(multi, client):
         assert hot.result().status_code == 200
         assert all(f.result().status_code == 200 for f in cold)
     assert held(client)["loads"] == loads + 1  # two requests, one load
+
+
+def test_the_multi_model_demo_config_serves_both_models(ray_cluster, base_url):
+    """configs/multi-model-demo.yaml as shipped (its registry moved into the test session): both
+    models answer by name, the default without one, and both are listed."""
+    import httpx
+    import yaml
+
+    from tests.conftest import deploy
+
+    root = Path(__file__).resolve().parent.parent
+    args = yaml.safe_load((root / "configs" / "multi-model-demo.yaml").read_text())["applications"][0]["args"]
+    args["checkpoints"]["registry_path"] = str(SESSION_DIR / "demo-checkpoints.json")
+    args["lora"]["registry_path"] = str(SESSION_DIR / "demo-loras.json")
+    prefix = deploy("demo", args)
+    try:
+        url = f"{base_url}{prefix}/v1/images/generations"
+        for model, expected in ((None, "shapes"), ("shapes", "shapes"), ("tiny-sdxl", "tiny-sdxl")):
+            body = {"prompt": "a red circle", **({"model": model} if model else {})}
+            r = httpx.post(url, json=body, timeout=120)
+            assert r.status_code == 200 and r.json()["model"] == expected, r.text
+        ids = [c["id"] for c in httpx.get(f"{base_url}{prefix}/v1/models", timeout=30).json()["data"]]
+        assert ids[:2] == ["shapes", "tiny-sdxl"]
+    finally:
+        serve.delete("demo", _blocking=False)

@@ -273,6 +273,18 @@ def test_handle_callers_name_a_tenant_and_weights_share_the_replica(tenants_app,
     seen = {t["tenant"]: t for t in status(base_url, ADMIN)["tenants"]}
     assert seen["heavy"]["images_done"] == 16 and seen["light"]["images_done"] == 16
 
+    import ray
+
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    names = ["ray_diffusion_tenant_images_total", "ray_diffusion_tenant_queue_wait_ms",
+             "ray_diffusion_tenant_requests", "ray_diffusion_tenant_quota_rejected_total"]  # fmt: skip
+
+    def exported():
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+        return all(n in text for n in names) and 'tenant="heavy"' in text
+
+    wait_for(exported, 90, 2)
+
 
 def test_on_a_service_without_keys_a_made_up_key_is_no_tenant_of_its_own(client):
     r = client.post(

@@ -50,8 +50,7 @@ async def add_lora(
 
 def _owner(core: Core, name: str) -> ServedModel | None:
     """The model an adapter is for; None if that model is no longer served."""
-    owner = core.adapter_model(core.registry.get(name))
-    return next((m for m in core.models if m.name == owner), None)
+    return core.models.get(core.adapter_model(core.registry.get(name)))
 
 
 async def remove_lora(core: Core, name: str) -> dict[str, Any]:

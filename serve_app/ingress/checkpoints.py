@@ -32,7 +32,7 @@ async def add_checkpoint(
     loaded it here."""
     check_checkpoint_name(name)
     models = core.models
-    if name in models.names() or any(m.spec.model.answers_to(name) for m in models):
+    if any(m.spec.model.answers_to(name) for m in models):
         raise InvalidRequest(f"name: {name!r} is a model's name already", param="name")
     served = models.pool(pool)
     settings = core.cfg.checkpoints
@@ -75,7 +75,7 @@ async def _load_once(core: Core, served: ServedModel, name: str, resolved: str) 
 async def remove_checkpoint(core: Core, name: str) -> dict[str, Any]:
     """Unregister a checkpoint and drop it from its pool's replicas; later requests get 404."""
     entry = core.models.checkpoints.remove(name)
-    pool = next((m for m in core.models if m.name == entry["pool"]), None)  # None: a pool since removed
+    pool = core.models.get(entry["pool"])  # None: a pool since removed
     dropped = await pool.broadcast("drop_checkpoint", name) if pool is not None else []
     return {**_entry(core, name, entry), "dropped_from_replicas": sum(bool(d) for d in dropped)}
 

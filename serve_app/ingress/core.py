@@ -5,6 +5,7 @@ every replica, and whose request it is. No FastAPI routes here and no diffusers 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import hmac
@@ -194,11 +195,9 @@ class Core:
         def start(handle: DeploymentHandle):
             return handle.options(stream=True).generate_stream.remote(prepared, preview_every)
 
-        if admitted:  # the caller holds the tenant's place (an HTTP stream: its 429 comes first)
-            async for event in self._attempts(prepared, start, restart):
-                yield event
-            return
-        async with self.tenants.admit(prepared, wait=restart):
+        # `admitted`: the caller holds the tenant's place (an HTTP stream: its 429 comes first)
+        place = contextlib.nullcontext() if admitted else self.tenants.admit(prepared, wait=restart)
+        async with place:
             async for event in self._attempts(prepared, start, restart):
                 yield event
 

@@ -137,6 +137,10 @@ class Models:
     def names(self) -> list[str]:
         return [m.name for m in self.all]
 
+    def get(self, name: str) -> ServedModel | None:
+        """The model served under exactly this name; None if none is (a model since removed)."""
+        return next((m for m in self.all if m.name == name), None)
+
     def find(self, name: str | None) -> tuple[ServedModel, str | None, str | None]:
         """The model a request names (None: the default), and the registered checkpoint and its
         source when the name is one of a pool's; else a 404 that lists what is served."""

@@ -32,6 +32,7 @@ class CheckpointServing:
         self._adapter_ids: list[str] = []
         self.checkpoints: CheckpointResidency | None = None
         self._pending: dict[tuple[str, str], asyncio.Task] = {}  # requests whose checkpoint loads
+        self._pinned_at_start: list[tuple[str, str]] = []
         try:  # Serve builds the replica on its event loop; the report is made there
             self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
@@ -79,14 +80,14 @@ class CheckpointServing:
     def _start_pinning(self) -> None:
         """The pinned checkpoints load on the loader thread as soon as the replica runs (Serve
         builds it on its event loop's thread, which no constructor can wait on)."""
-        if getattr(self, "_pinned_at_start", None):
+        if self._pinned_at_start:
             try:
                 asyncio.get_running_loop().create_task(self._pin_at_start())
             except RuntimeError:  # built outside an event loop (a test): pinned on first use
                 pass
 
     async def _pin_at_start(self) -> None:
-        for name, source in getattr(self, "_pinned_at_start", []):
+        for name, source in self._pinned_at_start:
             try:
                 await self.checkpoints.pin(name, source)
             except Exception as e:  # a checkpoint gone: serve without it
