@@ -319,3 +319,36 @@ def test_a_job_just_stored_is_not_resumed_before_its_lease_is_written(tmp_path):
 
     resumed = asyncio.run(scenario())
     assert resumed == {"job_" + "a" * 32: 1, "job_" + "b" * 32: 2}, resumed  # attempt 1: not taken
+
+
+def test_the_event_stream_sends_every_step_when_the_job_ends_while_it_is_sending():
+    """The runner changes the very record the stream reads. A job that runs its last steps
+    and ends while the stream is sending an earlier step still gets a step event per step,
+    then the job (CI once saw `1/4, 2/4`, then the result)."""
+    from types import SimpleNamespace
+
+    from serve_app.ingress.jobs import JobDesk
+
+    job = JobRecord(id="job_" + "0" * 32, route="r", model="m", state="running", created_at=time.time(),
+                    request_id="r", output_format="png", total_steps=4, step=2)  # fmt: skip
+
+    async def watch(job_id, timeout):
+        await asyncio.sleep(0)
+
+    async def current(job_id):
+        return job
+
+    desk = SimpleNamespace(runner=SimpleNamespace(watch=watch), current=current,
+                           links=SimpleNamespace(present=lambda j: j))  # fmt: skip
+
+    async def follow():
+        events = []
+        async for chunk in JobDesk.events(desk, job, 0):
+            events.append(chunk)
+            if len(events) == 1:  # while step 1 is being sent, the job runs to its end
+                job.state, job.step = "done", 4
+        return events
+
+    events = [json.loads(c[c.index("data: ") + 6 :]) for c in asyncio.run(follow()) if "data: {" in c]
+    assert [e["step"] for e in events if e["type"] == "step"] == [1, 2, 3, 4]
+    assert events[-1]["type"] == "job" and events[-1]["state"] == "done"

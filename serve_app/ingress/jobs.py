@@ -178,15 +178,18 @@ class JobDesk:
             if time.monotonic() - quiet_since > 15:
                 quiet_since = time.monotonic()
                 yield ": keep-alive\n\n"  # a comment: proxies keep the connection open
-            if current.step > sent:
+            # What the record says now: the runner may change it (the same object) at each yield.
+            step, total, finished = current.step, current.total_steps, current.finished
+            if step > sent:
                 quiet_since = time.monotonic()
-            for step in range(sent + 1, current.step + 1):
-                body = {"type": "step", "job_id": job.id, "step": step, "total_steps": current.total_steps}
-                yield sse.event(body, event_id=str(step))
-            sent = max(sent, current.step)
-            if current.finished:
+            for n in range(sent + 1, step + 1):
+                yield sse.event(
+                    {"type": "step", "job_id": job.id, "step": n, "total_steps": total}, event_id=str(n)
+                )
+            sent = max(sent, step)
+            if finished:
                 final = {"type": "job", **self.links.present(current).model_dump(mode="json")}
-                yield sse.event(final, event_id=str(current.total_steps + 1))
+                yield sse.event(final, event_id=str(total + 1))
                 yield sse.DONE
                 return
             await self.runner.watch(job.id, 0.5)  # a change saved here, or a poll of the store
