@@ -88,7 +88,7 @@ def test_previews_are_image_shaped_and_abort_stops_the_call(engines, name):
     seen = []
 
     def hook(i, total, latents):
-        seen.append(Image.open(io.BytesIO(latents_preview(latents))))
+        seen.append(Image.open(io.BytesIO(latents_preview(latents()))))  # given as a function
         return i == 1  # stop after the second step
 
     out = e.run([Row("a", None, 1), Row("b", None, 2)], params(e), hook)

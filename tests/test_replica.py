@@ -299,6 +299,46 @@ def test_a_request_larger_than_one_call_runs_in_calls_of_max_batch_images(replic
     assert st.state == "done" and st.step == st.total_steps == 3 * 3  # 3 calls of 3 steps
 
 
+def test_a_plain_request_does_no_per_step_work_that_only_streams_need(replica, monkeypatch):
+    """Counted, not timed, on the real pipeline: a request nobody streams makes no step event,
+    no preview, never unpacks its latents for one, and copies no latents off the device unless
+    it asks for them. The same counters count a watched stream's work, so they can fail."""
+    import collections
+
+    from serve_app.engine import runs
+    from serve_app.replica import results
+
+    calls = collections.Counter()
+
+    def counted(name, fn):
+        def wrapper(*args, **kwargs):
+            calls[name] += 1
+            return fn(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(runs.Runner, "_viewable", counted("unpack", runs.Runner._viewable))
+    monkeypatch.setattr(runs, "host_copy", counted("copy", runs.host_copy))
+    monkeypatch.setattr(results, "latents_preview", counted("preview", results.latents_preview))
+    monkeypatch.setattr(results, "StepEvent", counted("event", results.StepEvent))
+
+    plain = run(replica.generate(req("plain", "count-plain")))
+    assert plain.metrics.steps == 3 and calls == {}, calls
+    assert replica.request_status("count-plain").step == 3  # its progress is still counted
+
+    async def watched(rid: str, preview_every: int):
+        stream = replica.generate_stream(req("watched", rid), preview_every=preview_every)
+        return [e async for e in stream]
+
+    assert len(run(watched("count-events", 0))) == 4 and calls == {"event": 3}, calls
+    calls.clear()
+    run(watched("count-previews", 1))
+    assert calls == {"event": 3, "unpack": 3, "preview": 3}, calls  # one unpack a step, not a job
+    calls.clear()
+    run(replica.generate(req("latents", "count-latents", return_latents=True)))
+    assert calls == {"copy": 1}, calls
+
+
 # ----------------------------------------------------------------------------- health
 
 

@@ -56,6 +56,11 @@ def latents_preview(latents: torch.Tensor) -> bytes:
     return encode_image(Image.fromarray(strip), "png")
 
 
+def host_copy(latents: torch.Tensor) -> torch.Tensor:
+    """Latents a caller asked for (`return_latents`, `return_trajectory`), copied off the device."""
+    return latents.detach().float().cpu()
+
+
 def vae_modes(pipe, params: CallParams) -> Callable[[], None]:
     """Turn on the VAE modes this call asks for and the model lacks; returns the undo."""
     vae, undo = getattr(pipe, "vae", None), []
@@ -198,14 +203,14 @@ class Runner:
             st.steps_run = i + 1
             cache.step_done()
             if params.return_trajectory:
-                st.trajectory.append(latents.detach().float().cpu())
+                st.trajectory.append(host_copy(latents))
                 st.timesteps.append(float(t))
             last = i + 1 == st.total
-            if step_hook is not None and step_hook(i, st.total, self._viewable(latents, params)):
+            if step_hook is not None and step_hook(i, st.total, lambda: self._viewable(latents, params)):
                 raise _StopCall
             if last:
                 if params.return_latents:
-                    st.last_latents = latents.detach().float().cpu()
+                    st.last_latents = host_copy(latents)
                 self._sync()
                 st.denoise_end = time.perf_counter()
             return {}

@@ -92,8 +92,11 @@ class CallParams:
 
 
 # Called after every denoising step with (step index, total steps, latents); returning True
-# stops the call at that step, with no images (the hook that abort and progress use).
-StepHook = Callable[[int, int, torch.Tensor], bool | None]
+# stops the call at that step, with no images (the hook that abort and progress use). The
+# latents come as a function that gives them as (batch, channels, height, width): only a
+# preview needs them, and a call that nobody watches never unpacks them. (A hook also takes
+# the tensor itself, as an engine extension written for the earlier form passes it.)
+StepHook = Callable[[int, int, "Callable[[], torch.Tensor] | torch.Tensor"], bool | None]
 
 
 @dataclass

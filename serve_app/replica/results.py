@@ -22,18 +22,22 @@ from serve_app.schemas import (
 
 
 def step_hook(batch: list[Job], loop: asyncio.AbstractEventLoop):
-    """Runs on the engine thread after every step: progress, previews, and the stop signal."""
+    """Runs on the engine thread after every step: progress, previews, and the stop signal.
+    A request nobody streams only counts its step: no event, no preview, and the latents
+    (given as a function) are never unpacked for it."""
     t0 = time.perf_counter()
 
-    def hook(i: int, total: int, latents: torch.Tensor) -> bool:
-        start = 0
+    def hook(i: int, total: int, latents) -> bool:
+        start, seen = 0, None
         for job in batch:
             n = len(job.rows)
             job.step = i + 1
             if job.listeners and job.state == "running":
                 preview = None
                 if job.preview_every and ((i + 1) % job.preview_every == 0 or i + 1 == total):
-                    preview = latents_preview(latents[start : start + n])
+                    if seen is None:  # once per step, for every job that wants a preview
+                        seen = latents() if callable(latents) else latents
+                    preview = latents_preview(seen[start : start + n])
                 event = StepEvent(
                     request_id=job.request_id,
                     step=i + 1,
@@ -58,12 +62,12 @@ def row_hooks(job: Job, loop: asyncio.AbstractEventLoop) -> list:
     n, seen = len(job.rows), {}
 
     def for_row(k: int):
-        def hook(i: int, total: int, latents: torch.Tensor) -> bool:
+        def hook(i: int, total: int, latents) -> bool:
             got = seen.setdefault(i, [None] * n)
             got[k] = latents
             if all(x is not None for x in got):
                 del seen[i]
-                inner(i, total, torch.cat(got))
+                inner(i, total, lambda: torch.cat([x() if callable(x) else x for x in got]))
             return job.state != "running"
 
         return hook
