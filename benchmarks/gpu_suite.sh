@@ -32,7 +32,7 @@ run() {  # run NAME LIMIT_S SCRIPT ARGS...: its output to NAME.log, its tail her
     grep -v -E 'INFO|WARNING|Warning|raylet|transformers|_dynamo|If it is' "$out/$name.log" | tail -n 18
 }
 
-run throughput 180 bench_throughput.py "${M[@]}" --sizes "$size" --steps "$steps" --clients 1 8 16 \
+run throughput 260 bench_throughput.py "${M[@]}" --sizes "$size" --steps "$steps" --clients 1 8 16 \
     --rounds 2 --requests-per-client 3 --raw-seconds 8 --max-batch 16 --out "$out/throughput"
 run latency 90 bench_latency.py "${M[@]}" --size "$size" --steps "$steps" --iters 8 --out "$out/latency.json"
 run abort 60 bench_abort.py "${M[@]}" --size "$size" --steps 50 --trials 3 --out "$out/abort.json"
