@@ -41,6 +41,11 @@ def _m():
         "retries": metrics.Counter(
             "diffusion_retries_total", "Requests sent again because their replica died.", tag_keys=("model",)
         ),
+        "lora_loads": metrics.Counter(
+            "diffusion_lora_loads_total",
+            "Adapters loaded onto a replica (one loaded again after an eviction counts again).",
+            tag_keys=("model",),
+        ),
         "tenant_images": metrics.Counter(
             "diffusion_tenant_images_total", "Images made, by tenant.", tag_keys=("model", "tenant")
         ),
@@ -86,6 +91,10 @@ def observe_batch(model: str, images: int) -> None:
 
 def set_queue_length(model: str, n: int) -> None:
     _m()["queue_length"].set(n, {"model": model})
+
+
+def count_lora_load(model: str) -> None:
+    _m()["lora_loads"].inc(1, {"model": model})
 
 
 def count_retry(model: str) -> None:

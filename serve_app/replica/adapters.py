@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+from serve_app import metrics
 from serve_app.engine import LoraError
 from serve_app.errors import InvalidRequest
 from serve_app.replica.routing import replica_id
@@ -107,6 +108,7 @@ class AdapterResidency:
         self.engine.load_lora(name, path, state)
         self._loaded[name] = size
         self.loads += 1
+        metrics.count_lora_load(self.engine.model_name)
         logger.info(
             "loaded adapter %s (%.3g MiB): read %.0f ms, installed in %.0f ms",
             name,
