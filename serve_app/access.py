@@ -9,6 +9,8 @@ administration from this machine (`auth.local_admin`), for a local demo.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hmac
 import ipaddress
 import os
@@ -71,7 +73,15 @@ class AccessPolicy:
         return self._bearer(authorization) or ""
 
     def _bearer(self, authorization: str) -> str | None:
+        """The key of a Bearer header, or the password of a Basic one (any user name): what
+        AUTOMATIC1111's clients send for its `--api-auth` credentials."""
         scheme, _, key = authorization.partition(" ")
+        if scheme.lower() == "basic" and key.strip():
+            try:
+                key = base64.b64decode(key.strip(), validate=True).decode("utf-8").partition(":")[2]
+            except (binascii.Error, UnicodeDecodeError):
+                return None
+            return key or None
         return key.strip() if scheme.lower() == "bearer" and key.strip() else None
 
     def check_caller(self, method: str, path: str, authorization: str) -> ServingError | None:
@@ -128,8 +138,16 @@ def route_path(request: Request) -> str:
     return path
 
 
-def error_response(err: ServingError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(err.to_body(), status_code=err.status_code, headers=headers or err.headers())
+# The AUTOMATIC1111 routes (`ingress/a1111.py`): their errors also carry the fields A1111's own
+# clients read (`detail`, `errors`) beside the project's `error`.
+A1111_PATH = "/sdapi/v1/"
+
+
+def error_response(err: ServingError, headers: dict[str, str] | None = None, path: str = "") -> JSONResponse:
+    body = err.to_body()
+    if A1111_PATH in path:
+        body.update(detail=err.message, errors=err.message)
+    return JSONResponse(body, status_code=err.status_code, headers=headers or err.headers())
 
 
 async def check_api_key(request: Request, call_next):
@@ -138,7 +156,7 @@ async def check_api_key(request: Request, call_next):
         request.method, route_path(request), request.headers.get("authorization", "")
     )
     if err is not None:
-        return error_response(err, {"WWW-Authenticate": "Bearer"})
+        return error_response(err, {"WWW-Authenticate": "Bearer"}, request.url.path)
     return await call_next(request)
 
 
@@ -160,7 +178,7 @@ class BodyLimit:
 
     def _limit(self, scope) -> int | None:
         ingress = servable()
-        if scope.get("path", "").endswith("/v1/images/edits"):  # the route whose bodies carry images
+        if scope.get("path", "").endswith(("/v1/images/edits", "/sdapi/v1/img2img")):  # bodies with images
             return getattr(ingress, "max_upload_bytes", None) or self.max_bytes
         return getattr(ingress, "max_body_bytes", None) or self.max_bytes
 
@@ -178,7 +196,7 @@ class BodyLimit:
                 except ValueError:
                     declared = 0
                 if declared > limit:
-                    return await error_response(too_large)(scope, receive, send)
+                    return await error_response(too_large, path=scope.get("path", ""))(scope, receive, send)
         # A body that streams in chunks is read here, up to the limit, before the app sees it
         # (FastAPI would turn an error raised mid-body into a parse error); it is small.
         messages, seen = [], 0
@@ -189,7 +207,7 @@ class BodyLimit:
                 break
             seen += len(message.get("body", b""))
             if seen > limit:
-                return await error_response(too_large)(scope, receive, send)
+                return await error_response(too_large, path=scope.get("path", ""))(scope, receive, send)
             if not message.get("more_body", False):
                 break
 

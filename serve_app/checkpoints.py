@@ -2,8 +2,10 @@
 family and the persisted registry. No torch or diffusers here: the ingress imports it.
 
 A checkpoint is a diffusers pipeline directory (`model_index.json` and its component folders)
-under one of the allowed roots, holding only safetensors weights, or, where the hub is allowed,
-a hub id (`org/name`) that the replica downloads when it loads it. The registry (name ->
+under one of the allowed roots, holding only safetensors weights, a single-file checkpoint there
+(one `.safetensors` file in the original Stable Diffusion 1.x layout, configured like the
+pool's own model: `model.pipeline_config`, else its source), or, where the hub is allowed, a
+hub id (`org/name`) that the replica downloads when it loads it. The registry (name ->
 source, pool, family, pinned) is a JSON file written atomically under a lock, as the adapter
 registry is (`lora.Registry`): every replica, including one that starts later, reads the same.
 """
@@ -17,6 +19,15 @@ from pathlib import Path
 from typing import Any
 
 from serve_app.errors import InvalidRequest, NotFound
+from serve_app.layouts import (
+    LAYOUTS,
+    PICKLE_REASON,
+    PICKLE_SUFFIXES,
+    SAFETENSORS_SUFFIX,
+    FileRefused,
+    loadable_layout,
+    safetensors_keys,
+)
 from serve_app.lora import Registry, shown_path
 
 CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
@@ -26,7 +37,6 @@ CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _HUB_PART = r"\w(?:[\w.-]{0,94}\w)?"
 HUB_ID = re.compile(rf"^{_HUB_PART}/{_HUB_PART}$", re.ASCII)
 
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 MAX_WALK_ENTRIES = 10_000  # files and folders looked at in one checkpoint before refusing it
 MAX_INDEX_BYTES = 2**20
 
@@ -59,16 +69,17 @@ def check_checkpoint_source(source: str, allowed_roots: list[str], allow_hub: bo
     InvalidRequest (param "source") saying why, never showing the server's absolute path.
 
     A local path (absolute, or relative to the working directory) must resolve, symlinks
-    followed, to a diffusers pipeline directory inside one of `allowed_roots` with safetensors
-    weights and no pickles. A hub id is taken only with `allow_hub`; its class name is "" (it
-    is known once loaded)."""
+    followed, inside one of `allowed_roots`, to a diffusers pipeline directory with safetensors
+    weights and no pickles, or to a single-file checkpoint of a layout this server knows (its
+    class name is the layout's pipeline). A hub id is taken only with `allow_hub`; its class
+    name is "" (it is known once loaded)."""
     if not isinstance(source, str) or not source.strip():
-        raise _refuse("give a checkpoint directory or a hub id")
+        raise _refuse("give a checkpoint directory or file, or a hub id")
     if "\x00" in source:
         raise _refuse("a NUL character is not allowed in a checkpoint source")
     if not _looks_local(source):
         if not is_hub_id(source):
-            raise _refuse(f"{source!r} is neither a directory under the checkpoint roots nor a hub id")
+            raise _refuse(f"{source!r} is neither a checkpoint under the checkpoint roots nor a hub id")
         if not allow_hub:
             raise _refuse(
                 f"{source!r} is a hub id, and hub checkpoints are not allowed here; "
@@ -85,11 +96,25 @@ def check_checkpoint_source(source: str, allowed_roots: list[str], allow_hub: bo
     shown = shown_path(str(resolved), [str(r) for r in roots])
     if not resolved.exists():
         raise _refuse(f"no checkpoint at {shown!r}")
+    if resolved.is_file():
+        return str(resolved), _single_file_class(resolved, shown)
     if not resolved.is_dir():
-        raise _refuse(f"{shown!r} is not a directory (a checkpoint is a diffusers pipeline directory)")
+        raise _refuse(f"{shown!r} is neither a diffusers pipeline directory nor a checkpoint file")
     class_name = _pipeline_class(resolved, shown, roots)
     _check_files(resolved, shown, roots)
     return str(resolved), class_name
+
+
+def _single_file_class(path: Path, shown: str) -> str:
+    """The pipeline class of a single-file checkpoint's layout, read from its header."""
+    if path.suffix.lower() in PICKLE_SUFFIXES:
+        raise _refuse(f"{shown!r} is a pickle checkpoint: {PICKLE_REASON}")
+    if path.suffix != SAFETENSORS_SUFFIX:  # diffusers reads any other name (.SAFETENSORS too) as a pickle
+        raise _refuse(f"{shown!r} is neither a diffusers pipeline directory nor a .safetensors checkpoint")
+    try:
+        return LAYOUTS[loadable_layout(safetensors_keys(path))][1]
+    except FileRefused as e:
+        raise _refuse(f"{shown!r} {e}") from None
 
 
 def _inside(path: Path, roots: list[Path]) -> bool:

@@ -91,7 +91,8 @@ def _body(a: argparse.Namespace) -> dict[str, Any]:
     body: dict[str, Any] = {"prompt": a.prompt, "n": a.n, "stream": True, "output_format": a.format}
     for key, value in (("size", a.size), ("num_inference_steps", a.steps), ("seed", a.seed),
                        ("guidance_scale", a.guidance), ("negative_prompt", a.negative),
-                       ("acceleration", a.acceleration)):  # fmt: skip
+                       ("acceleration", a.acceleration), ("sampler", a.sampler),
+                       ("sigma_schedule", a.sigma_schedule)):  # fmt: skip
         if value is not None:
             body[key] = value
     loras = []
@@ -296,6 +297,8 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--acceleration", choices=["none", "fast", "faster"], help="step caching (default: the server's)"
         )
+        p.add_argument("--sampler", help="e.g. 'Euler a', 'DPM++ 2M Karras' (GET /v1/models lists them)")
+        p.add_argument("--sigma-schedule", help="karras, exponential or beta (default: the sampler's own)")
         p.add_argument("-q", "--quiet", action="store_true")
         p.add_argument(
             "--async", dest="async_job", action="store_true", help="submit as a job, print its id, return"

@@ -7,12 +7,14 @@ on a path they share.
 
     python -m serve_app.lora make --out adapters/red.safetensors --seed 1   # an adapter for builtin:tiny-sd
     python -m serve_app.lora green --out adapters/green.safetensors       # builtin:shapes' trained one
+    python -m serve_app.lora kohya adapters/red.safetensors --out adapters/red-kohya.safetensors --alpha 2
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import fcntl
 import functools
 import json
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from serve_app.errors import Forbidden, InvalidRequest, NotFound, ServingError
+from serve_app.layouts import PICKLE_REASON, FileRefused, safetensors_keys
 
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -78,13 +81,25 @@ def check_adapter_file(path: str, allowed_roots: list[str], max_file_mb: float) 
         _check_size(files[1], max_file_mb)
         if files[0].stat().st_size > 2**20:
             raise InvalidRequest(f"path: {PEFT_CONFIG} is larger than 1 MB", param="path")
+        _check_header(files[1], f"{path}/{PEFT_WEIGHTS}")
         return resolved
     if resolved.suffix != ".safetensors":
-        raise InvalidRequest("path: only .safetensors adapter files are loaded (never pickles)", param="path")
+        raise InvalidRequest(
+            f"path: only .safetensors adapter files are loaded: {PICKLE_REASON}", param="path"
+        )
     if not resolved.is_file():
         raise InvalidRequest(f"path: no adapter file at {path!r}", param="path")
     _check_size(resolved, max_file_mb)
+    _check_header(resolved, path)
     return resolved
+
+
+def _check_header(file: Path, shown: str) -> None:
+    """Refuse a file that is no safetensors file (a pickle under that name) or is cut short."""
+    try:
+        safetensors_keys(file)
+    except FileRefused as e:
+        raise InvalidRequest(f"path: not a readable safetensors file: {shown!r} {e}", param="path") from None
 
 
 def _check_size(path: Path, max_file_mb: float) -> None:
@@ -237,10 +252,13 @@ def make_adapter(
     model: str = "tiny-sd",
     strength: float = 1.0,
     alpha: int | None = None,
+    denoiser: bool = True,
+    text_encoder: bool = False,
 ) -> Path:
     """Write a LoRA adapter for `builtin:<model>` in the diffusers/peft safetensors format, or,
     when `out` does not end in `.safetensors`, as a PEFT adapter directory (`alpha`, default
     `rank`, goes in its config; the weights are stored so that the adapter acts the same).
+    It adapts the denoiser's attention, and with `text_encoder` the text encoder's (a file only).
 
     Same arguments, same file: the weights are drawn from `seed`.
     """
@@ -249,17 +267,22 @@ def make_adapter(
     from peft import LoraConfig, get_peft_model_state_dict
     from safetensors.torch import save_file
 
-    prefix, denoiser = _base_denoiser(model)
+    prefix, base = _base_denoiser(model)
+    encoder = copy.deepcopy(_base_pipe(model).text_encoder) if text_encoder else None
     torch.manual_seed(seed)
     cfg = LoraConfig(
         r=rank, lora_alpha=rank, init_lora_weights=False, target_modules=["to_q", "to_k", "to_v", "to_out.0"]
     )
-    denoiser.add_adapter(cfg, adapter_name="make")
-    try:
-        state = get_peft_model_state_dict(denoiser, adapter_name="make")
-    finally:
-        denoiser.delete_adapters("make")
+    state = {}
+    if denoiser:
+        base.add_adapter(cfg, adapter_name="make")
+        try:
+            state = get_peft_model_state_dict(base, adapter_name="make")
+        finally:
+            base.delete_adapters("make")
     path = Path(out)
+    if path.suffix != ".safetensors" and text_encoder:
+        raise ValueError("a text encoder adapter is written as a .safetensors file")
     if path.suffix != ".safetensors":  # PEFT's directory: its key names, the factor alpha/r apart
         path.mkdir(parents=True, exist_ok=True)
         factor = rank / (alpha or rank)
@@ -276,21 +299,74 @@ def make_adapter(
         }
         (path / PEFT_CONFIG).write_text(json.dumps(config, indent=1))
         return path
-    if prefix == "unet":  # UNet adapters are shared in diffusers' key names; transformer ones in peft's
+    if prefix == "unet" and state:  # UNet adapters are shared in diffusers' key names; others in peft's
         state = convert_state_dict_to_diffusers(state)
-    state = {f"{prefix}.{k}": (v * strength).contiguous() for k, v in state.items()}
+    state = {f"{prefix}.{k}": v for k, v in state.items()}
+    if encoder is not None:
+        state.update(_text_encoder_lora(encoder, rank))
+    state = {k: (v * strength).contiguous() for k, v in state.items()}
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file(state, str(path))
     return path
 
 
+def _text_encoder_lora(encoder, rank: int) -> dict[str, Any]:
+    """Random LoRA weights (drawn from torch's generator as it stands) for the attention of
+    `encoder` (a copy: they are put in it), under the keys diffusers loads (`text_encoder.` +
+    peft's)."""
+    from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+
+    cfg = LoraConfig(r=rank, lora_alpha=rank, init_lora_weights=False,
+                     target_modules=["q_proj", "k_proj", "v_proj", "out_proj"])  # fmt: skip
+    inject_adapter_in_model(cfg, encoder, adapter_name="make")
+    return {
+        f"text_encoder.{k}": v for k, v in get_peft_model_state_dict(encoder, adapter_name="make").items()
+    }
+
+
+# kohya-ss's (A1111's) key prefix of each part an adapter changes.
+KOHYA_PREFIXES = {"unet": "lora_unet_", "text_encoder": "lora_te_", "text_encoder_2": "lora_te2_"}
+_DOWN_UP = ((".lora.down.weight", "down"), (".lora.up.weight", "up"), (".lora_A.weight", "down"),
+            (".lora_B.weight", "up"), (".lora_linear_layer.down.weight", "down"),
+            (".lora_linear_layer.up.weight", "up"))  # fmt: skip
+
+
+def to_kohya(state: dict[str, Any], alpha: float | None = None) -> dict[str, Any]:
+    """A diffusers/peft LoRA state dict (UNet and text encoders) in the kohya-ss layout that
+    A1111 and most shared adapters use: `lora_unet_<module>` / `lora_te_text_model_<module>`
+    with `.` as `_`, `.lora_down.weight`, `.lora_up.weight` and an `.alpha` per module. kohya
+    scales a module by alpha / rank, so with `alpha` the up weights are stored times
+    rank / alpha: the adapter acts the same."""
+    import torch
+
+    out = {}
+    for key, value in state.items():
+        part, _, rest = key.partition(".")
+        suffix, kind = next(((s, k) for s, k in _DOWN_UP if rest.endswith(s)), ("", ""))
+        if part not in KOHYA_PREFIXES or not suffix:
+            raise ValueError(f"{key}: not a UNet or text encoder LoRA weight in the diffusers or peft layout")
+        module = rest[: -len(suffix)]
+        if part.startswith("text_encoder") and not module.startswith("text_model."):
+            module = "text_model." + module  # the name kohya's files carry (transformers<5 kept it)
+        name = KOHYA_PREFIXES[part] + module.replace(".", "_")
+        rank = value.shape[0] if kind == "down" else value.shape[1]
+        a = float(alpha if alpha is not None else rank)
+        out[f"{name}.lora_{kind}.weight"] = (value * (rank / a) if kind == "up" else value).contiguous()
+        out[f"{name}.alpha"] = torch.tensor(a)
+    return out
+
+
 @functools.lru_cache(maxsize=2)
-def _base_denoiser(model: str):
-    """The denoiser adapters are shaped for, with its key prefix ("unet" or "transformer"),
-    built once per process (a full-size one takes a while)."""
+def _base_pipe(model: str):
+    """The pipeline adapters are shaped for, built once per process (a full-size one takes a while)."""
     from serve_app.engine.builtin import build_builtin
 
-    pipe = build_builtin(model, seed=0)
+    return build_builtin(model, seed=0)
+
+
+def _base_denoiser(model: str):
+    """The denoiser adapters are shaped for, with its key prefix ("unet" or "transformer")."""
+    pipe = _base_pipe(model)
     unet = getattr(pipe, "unet", None)
     return ("unet", unet) if unet is not None else ("transformer", pipe.transformer)
 
@@ -305,7 +381,18 @@ def main(argv: list[str] | None = None) -> None:
     mk.add_argument("--model", default="tiny-sd")
     green = sub.add_parser("green", help="copy builtin:shapes' trained adapter (paints shapes green)")
     green.add_argument("--out", required=True)
+    ko = sub.add_parser("kohya", help="rewrite a diffusers/peft adapter file in the kohya (A1111) layout")
+    ko.add_argument("source")
+    ko.add_argument("--out", required=True)
+    ko.add_argument("--alpha", type=float, default=None, help="alpha of every module (default: its rank)")
     a = ap.parse_args(argv)
+    if a.cmd == "kohya":
+        from safetensors.torch import load_file, save_file
+
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        save_file(to_kohya(load_file(a.source), a.alpha), a.out)
+        print(a.out)
+        return
     if a.cmd == "green":
         from serve_app.engine.builtin import GREEN_LORA
 

@@ -142,6 +142,9 @@ class FakeEngine:
     ) -> None:
         pass
 
+    def check_sampler(self, sampler, sigma_schedule):
+        return sampler, sigma_schedule  # every image is a flat colour whatever samples it
+
     def can_join(self, params) -> bool:
         return False  # whole calls only: joining is proven on the real engine
 

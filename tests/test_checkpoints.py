@@ -103,7 +103,7 @@ def test_every_refusal_is_a_400_on_source_without_the_server_path(tmp_path):
     assert _refusal(str(root / "escape"), roots, tmp_path) == outside_roots
     assert _refusal(str(root / ".." / "outside" / "ck"), roots, tmp_path) == outside_roots
     (root / "file.safetensors").write_bytes(b"x")
-    assert "not a directory" in _refusal(str(root / "file.safetensors"), roots, tmp_path)
+    assert "is not a safetensors file" in _refusal(str(root / "file.safetensors"), roots, tmp_path)
     assert "no checkpoint at 'missing'" in _refusal(str(root / "missing"), roots, tmp_path)
     (root / "plain" / "unet").mkdir(parents=True)
     assert "no model_index.json" in _refusal(str(root / "plain"), roots, tmp_path)

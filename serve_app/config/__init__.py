@@ -21,6 +21,7 @@ from serve_app.config.services import (  # re-exported: one configuration
     TenantConfig,
     _Strict,
 )
+from serve_app.layouts import PICKLE_REASON, is_pickle_name, is_single_file
 
 BUILTIN_PREFIX = "builtin:"
 # Names accepted after `builtin:`; the builders live in serve_app/engine/builtin.py.
@@ -69,7 +70,15 @@ class ModelConfig(_Strict):
 
     source: str = Field(
         "builtin:tiny-sd",
-        description="`builtin:<name>`, a local diffusers directory, or a Hugging Face hub id.",
+        description="`builtin:<name>`, a local diffusers directory, a Hugging Face hub id, or one "
+        "`.safetensors` checkpoint file in the original (A1111/ComfyUI) Stable Diffusion 1.x layout.",
+    )
+    pipeline_config: str | None = Field(
+        None,
+        description="For a single-file `source` (and the single-file checkpoints of this model's pool): "
+        "where the pipeline's configs come from, never downloaded: a local diffusers pipeline directory "
+        "(model_index.json, component configs, tokenizer, scheduler; its weights are not read) or "
+        "`builtin:<name>`, an embedded model of the same family (e.g. `builtin:tiny-sd`).",
     )
     name: str | None = Field(None, description="Model name served in /v1/models; default from `source`.")
     aliases: list[str] = Field(
@@ -129,6 +138,15 @@ class ModelConfig(_Strict):
         if v.startswith(BUILTIN_PREFIX) and v[len(BUILTIN_PREFIX) :] not in BUILTIN_MODELS:
             allowed = ", ".join(BUILTIN_PREFIX + n for n in BUILTIN_MODELS)
             raise ValueError(f"unknown builtin model {v!r}; allowed: {allowed}")
+        if is_pickle_name(v):
+            raise ValueError(f"{v!r} is a pickle checkpoint: {PICKLE_REASON}")
+        return v
+
+    @field_validator("pipeline_config")
+    @classmethod
+    def _known_config(cls, v: str | None) -> str | None:
+        if v is not None and v.startswith(BUILTIN_PREFIX) and v[len(BUILTIN_PREFIX) :] not in BUILTIN_MODELS:
+            raise ValueError(f"unknown builtin model {v!r}")
         return v
 
     @field_validator("aliases")
@@ -140,6 +158,15 @@ class ModelConfig(_Strict):
         if len(set(v)) < len(v):
             raise ValueError("an alias is listed twice")
         return v
+
+    @model_validator(mode="after")
+    def _single_file_configs(self):
+        if is_single_file(self.source) and self.pipeline_config is None:
+            raise ValueError(
+                f"pipeline_config: the single-file source {self.source!r} needs the pipeline's configs: "
+                "a local diffusers directory or builtin:<name> of its family"
+            )
+        return self
 
     @model_validator(mode="after")
     def _aliases_differ(self):
@@ -158,6 +185,8 @@ class ModelConfig(_Strict):
         src = self.source.rstrip("/")
         if src.startswith(BUILTIN_PREFIX):
             return src[len(BUILTIN_PREFIX) :]
+        if is_single_file(src):  # a checkpoint file: its name without the suffix
+            return src.rsplit("/", 1)[-1].rsplit(".", 1)[0]
         return src.rsplit("/", 1)[-1] if src.startswith(("/", ".")) else src
 
 

@@ -7,11 +7,13 @@ Each refusal is a `LoraError` that names the file and says why.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
+from serve_app.engine.loading import denoiser_name
 from serve_app.engine.types import CallParams, LoraError, Row
 
 # Adapters in force: (name, scale) each, in name order, no scale 0; None for the base model.
@@ -23,17 +25,23 @@ def loaded_adapters(pipe) -> list[str]:
     return sorted({n for names in pipe.get_list_adapters().values() for n in names})
 
 
+# The name ending of a LoRA up/B weight in each layout: diffusers' (`.lora.up.`, older text
+# encoder files' `.lora_linear_layer.up.`), peft's (`.lora_B.`, maybe with an adapter name) and
+# kohya-ss's (`.lora_up.`; diffusers converts its `lora_unet_`/`lora_te_` keys when loading).
+_UP_WEIGHT = re.compile(r"(\.lora\.up|\.lora_linear_layer\.up|\.lora_B(\.[^.]+)?|\.lora_up)\.weight$")
+
+
 def read_adapter(pipe, path: str) -> dict[str, torch.Tensor]:
-    """Read and check an adapter's weights (a diffusers/peft LoRA safetensors file, or a PEFT
-    adapter directory) without touching the pipeline: safe on any thread. LoraError if
-    unusable."""
+    """Read and check an adapter's weights (a LoRA safetensors file in the diffusers/peft or the
+    kohya-ss layout, or a PEFT adapter directory) without touching the pipeline: safe on any
+    thread. LoraError if unusable."""
     from safetensors import SafetensorError
 
     try:
         state = _adapter_weights(pipe, path)
     except (SafetensorError, OSError, ValueError) as e:
         raise LoraError(f"{path}: not a readable safetensors file or adapter directory ({e})") from None
-    ups = [v for k, v in state.items() if "lora" in k and ("up" in k or "lora_B" in k)]
+    ups = [v for k, v in state.items() if _UP_WEIGHT.search(k)]
     if not ups:
         raise LoraError(f"{path}: no LoRA weights in it (no lora up/B tensors)")
     if all(float(v.abs().max()) == 0 for v in ups):
@@ -79,6 +87,12 @@ def set_active_adapters(pipe, loras: tuple[tuple[str, float], ...], active: Acti
         pipe.enable_lora()
         pipe.set_adapters([n for n, _ in want], [s for _, s in want])
     return want
+
+
+def adapted_modules(pipe) -> list[torch.nn.Module]:
+    """The pipeline's modules adapters may change: its denoiser and text encoders."""
+    names = [denoiser_name(pipe), "text_encoder", "text_encoder_2", "text_encoder_3"]
+    return [m for m in (getattr(pipe, n, None) for n in names) if isinstance(m, torch.nn.Module)]
 
 
 def row_adapter_sets(rows: Sequence[Row], params: CallParams) -> list[tuple[tuple[str, float], ...]]:

@@ -24,6 +24,7 @@ import torch
 
 from serve_app.config import ModelConfig
 from serve_app.engine.adapters import (
+    adapted_modules,
     install_adapter,
     loaded_adapters,
     read_adapter,
@@ -51,6 +52,7 @@ from serve_app.engine.loading import (
 from serve_app.engine.media import encode_image
 from serve_app.engine.row_lora import apply_row_adapters
 from serve_app.engine.runs import JoinedRun, Runner, latents_preview, vae_modes
+from serve_app.engine.schedulers import Schedulers
 from serve_app.engine.step_cache import cached_blocks
 from serve_app.engine.types import (
     TASKS,
@@ -137,9 +139,10 @@ class DiffusionEngine:
         cache_blocks = cached_blocks(denoiser)
         self.accelerations = offered_accelerations(denoiser, cache_blocks, cfg.optimizations)
         self._checks = CallChecks(self.pipe, self._task_pipes, self.family, self.device, self.accelerations)
+        self.schedulers = Schedulers(self.pipe.scheduler, self._task_pipes, cfg.served_name)
         self._runner = Runner(
             self.pipe, self._task_pipes, self.family, self.device, self.dtype,
-            self.default_num_frames, cache_blocks,
+            self.default_num_frames, cache_blocks, self.schedulers,
         )  # fmt: skip
         logger.info(
             "loaded %s on %s/%s in %.1fs (native %dx%d)",
@@ -203,6 +206,10 @@ class DiffusionEngine:
             "default_steps": self.cfg.default_steps,
             "default_guidance_scale": self.cfg.default_guidance_scale,
             "accelerations": list(self.accelerations),
+            "samplers": self.schedulers.describe(),
+            "default_sampler": self.schedulers.default[0],
+            "default_sigma_schedule": self.schedulers.default[1],
+            "sampler_kind": "flow" if self.schedulers.flow else "discrete",
             "load_s": round(self.load_s, 3),
             "rpc_methods": rpc_methods(self),
         }
@@ -233,6 +240,11 @@ class DiffusionEngine:
     ) -> None:
         """Refuse per-call options this engine cannot honour; the message starts with the field."""
         self._checks.check_options(generator_device, vae_slicing, vae_tiling, acceleration)
+
+    def check_sampler(self, sampler: str | None, sigma_schedule: str | None) -> tuple[str | None, str | None]:
+        """The canonical (sampler, sigma schedule) of a request, (None, None) for the model's own
+        scheduler; ValueError, starting with the field's name, listing what this model offers."""
+        return self.schedulers.check(sampler, sigma_schedule)
 
     # ------------------------------------------------------------------ LoRA adapters (see `adapters`)
 
@@ -266,13 +278,26 @@ class DiffusionEngine:
         """Put each row's adapters in force; returns the undo.
 
         Rows with one adapter set (the call's `params.loras`, or the same `Row.adapters`) get it
-        the usual way. Rows with different sets or scales share the call: the base layers run
-        once for the whole batch and each row adds its own low-rank deltas (`row_lora`)."""
+        the usual way. Rows with different sets or scales share the call: the base layers of the
+        denoiser and the text encoders run once for the whole batch and each row adds its own
+        low-rank deltas (`row_lora`)."""
         sets = row_adapter_sets(rows, params)
         if all(s == sets[0] for s in sets):
             self._apply_lora(sets[0])
             return lambda: None
-        return apply_row_adapters(find_denoiser(self.pipe), sets)
+        undos: list = []  # the text encoders' LoRA layers too: a row's text encodes with its adapters
+
+        def undo_all() -> None:
+            for undo in undos:
+                undo()
+
+        try:
+            for module in adapted_modules(self.pipe):
+                undos.append(apply_row_adapters(module, sets))
+        except BaseException:
+            undo_all()
+            raise
+        return undo_all
 
     # ------------------------------------------------------------------ running (see `runs`)
 

@@ -15,6 +15,7 @@ import torch
 from serve_app.config import BUILTIN_PREFIX, ModelConfig
 from serve_app.engine.step_cache import LEVELS
 from serve_app.engine.types import TASKS, ModelLoadError
+from serve_app.layouts import is_single_file
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -50,7 +51,8 @@ def prepare_pipeline(
 def load_pipeline(
     cfg: ModelConfig, device: torch.device, dtype: torch.dtype, reuse: dict[str, Any] | None = None
 ):
-    """Load from `builtin:<name>`, a local diffusers directory, or a hub id.
+    """Load from `builtin:<name>`, a local diffusers directory, a hub id, or a single-file
+    checkpoint (`checkpoint_file`).
 
     `reuse` (component name -> an already loaded module, e.g. another checkpoint's identical
     text encoder) is passed to diffusers instead of loading those components again: the new
@@ -61,6 +63,11 @@ def load_pipeline(
 
         pipe = build_builtin(src[len(BUILTIN_PREFIX) :], device=device, seed=cfg.seed)
         return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
+
+    if is_single_file(src):
+        from serve_app.engine.checkpoint_file import load_single_file
+
+        return load_single_file(cfg, dtype, reuse).to(device)
 
     from diffusers import DiffusionPipeline
 

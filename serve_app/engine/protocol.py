@@ -41,6 +41,10 @@ class Engine(Protocol):
     ) -> None:
         """ValueError, starting with the field's name, for per-call options it cannot honour."""
 
+    def check_sampler(self, sampler: str | None, sigma_schedule: str | None) -> tuple[str | None, str | None]:
+        """The canonical (sampler, sigma schedule), (None, None) for the model's own scheduler;
+        ValueError, starting with the field's name, for one this model does not offer."""
+
     def read_lora(self, path: str) -> dict[str, Any]:
         """An adapter's checked weights, read without touching the pipeline (any thread), or
         LoraError saying why not."""

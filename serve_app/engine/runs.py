@@ -23,6 +23,7 @@ from serve_app.engine.joining import Seat, StepBatch
 from serve_app.engine.loading import denoiser_name, find_denoiser
 from serve_app.engine.media import encode_image
 from serve_app.engine.memory import PeakMemory
+from serve_app.engine.schedulers import Schedulers, seed_noise
 from serve_app.engine.step_cache import NoCache, step_cache
 from serve_app.engine.types import CallParams, EngineOutput, InvalidArguments, Row, StepHook
 
@@ -104,8 +105,10 @@ class Runner:
         dtype: torch.dtype,
         default_num_frames: int | None,
         cache_blocks: list[str],
+        schedulers: Schedulers | None = None,
     ):
         self.pipe = pipe
+        self.schedulers = schedulers  # a scheduler per call's sampler; None: the pipeline's own
         self.task_pipes = task_pipes
         self.family = family
         self.device = device
@@ -131,7 +134,7 @@ class Runner:
         if not rows:
             raise ValueError("run() needs at least one row")
         st = _CallState(t0=time.perf_counter())
-        pipe = self.task_pipes[params.task]
+        pipe = self._scheduled(self.task_pipes[params.task], params, rows)
         with contextlib.ExitStack() as undo:  # the call's set-up, undone whatever happens
             undo.callback(adapters(rows, params))
             undo.callback(vae_modes(self.pipe, params))
@@ -157,8 +160,25 @@ class Runner:
         stand_in.on_call = started
         pipe = copy.copy(self.task_pipes[params.task])
         pipe.__dict__[self._denoiser_attr] = stand_in
-        pipe.__dict__["scheduler"] = copy.deepcopy(pipe.scheduler)
+        pipe.__dict__["scheduler"] = copy.deepcopy(self._scheduler(params, [row]) or pipe.scheduler)
         return self.call([row], params, step_hook, pipe, NoCache(), st)
+
+    def _scheduler(self, params: CallParams, rows: Sequence[Row]):
+        """The scheduler of the call's sampler, its noise seeded for `rows`; None: the pipeline's."""
+        if self.schedulers is None or params.sampler is None:
+            return None
+        scheduler = self.schedulers.get(params.sampler, params.sigma_schedule)
+        seed_noise(scheduler, rows)
+        return scheduler
+
+    def _scheduled(self, pipe, params: CallParams, rows: Sequence[Row]):
+        """`pipe`, or a shallow copy of it whose scheduler is the call's sampler's."""
+        scheduler = self._scheduler(params, rows)
+        if scheduler is None:
+            return pipe
+        pipe = copy.copy(pipe)
+        pipe.__dict__["scheduler"] = scheduler
+        return pipe
 
     def call(
         self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None, pipe, cache, st: _CallState
@@ -336,7 +356,7 @@ class JoinedRun:
     def add(self, row: Row, step_hook: StepHook | None = None, params: CallParams | None = None) -> Seat:
         """Start `row`; its `Seat` holds its `EngineOutput` (or error) once it has ended. Its
         own `params` may differ from the run's in what one row's call decides alone (steps,
-        guidance, strength, the outputs asked for); the rest must be the run's."""
+        guidance, strength, sampler, the outputs asked for); the rest must be the run's."""
         params = params or self.params
         self._apply_adapters(self.adapters)
         return self.batch.add(lambda stand_in: self._row_call(row, params, step_hook, stand_in))

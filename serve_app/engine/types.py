@@ -89,6 +89,8 @@ class CallParams:
     vae_slicing: bool = False  # for this call, whatever the model's setting
     vae_tiling: bool = False
     acceleration: str = "none"  # step caching: one of step_cache.LEVELS
+    sampler: str | None = None  # a scheduler of its own (`schedulers`); None: the model's
+    sigma_schedule: str | None = None  # with `sampler`: karras, exponential, beta; None: its own
 
 
 # Called after every denoising step with (step index, total steps, latents); returning True

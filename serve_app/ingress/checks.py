@@ -13,6 +13,7 @@ from fastapi import Request
 
 from serve_app.config import Limits
 from serve_app.errors import InvalidRequest
+from serve_app.sampling import resolve
 from serve_app.schemas import (
     IMAGE_FORMATS,
     REQUEST_ID_PATTERN,
@@ -137,6 +138,17 @@ def check_media(req: GenerationParams, info: ModelDescription, limits: Limits) -
             f"up to {limits.max_frames}",
             param="num_frames",
         )
+
+
+def check_sampler(req: GenerationParams, info: ModelDescription) -> tuple[str | None, str | None]:
+    """The request's sampler and sigma schedule by the model's names for them, if the model
+    offers them (a 400 naming the field and listing what it offers otherwise)."""
+    label = f"{info.model} (a flow-matching model)" if info.sampler_kind == "flow" else info.model
+    default = (info.default_sampler, info.default_sigma_schedule)
+    try:
+        return resolve(req.sampler, req.sigma_schedule, info.samplers, default, label)
+    except ValueError as e:  # the message starts with the field's name
+        raise InvalidRequest(str(e), param=str(e).split(":")[0]) from None
 
 
 def check_path_id(request_id: str) -> None:

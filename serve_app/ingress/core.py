@@ -21,7 +21,7 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from serve_app.access import AccessPolicy, servable
 from serve_app.config import AppConfig
 from serve_app.errors import DeadlineExceeded, InvalidRequest, ServingError, Unavailable
-from serve_app.ingress.checks import check_limits, check_media, edit_task, validated
+from serve_app.ingress.checks import check_limits, check_media, check_sampler, edit_task, validated
 from serve_app.ingress.failures import backoff, call_error, gave_up, not_ready
 from serve_app.ingress.models import Models, ServedModel
 from serve_app.ingress.tenants import Tenants
@@ -96,6 +96,7 @@ class Core:
         loras = self._adapters(request, served, checkpoint)
         info = await served.describe()
         check_media(request, info, limits)
+        sampler = check_sampler(request, info)
         video = info.modality == "video"
         task, image, mask = "generate", None, None
         if request.image is not None:
@@ -124,6 +125,7 @@ class Core:
             image=image,
             mask=mask,
             acceleration=model.optimizations.step_cache,
+            sampler=sampler,
             model=served.name,
             checkpoint=checkpoint,
             checkpoint_source=source,

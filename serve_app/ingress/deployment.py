@@ -10,6 +10,7 @@ from ray.serve.handle import DeploymentHandle
 
 from serve_app.config import AppConfig
 from serve_app.ingress import admin, checkpoints, ops, requests
+from serve_app.ingress.a1111_desk import A1111Desk
 from serve_app.ingress.checks import validated
 from serve_app.ingress.core import Core
 from serve_app.ingress.http import make_app
@@ -38,6 +39,7 @@ class DiffusionIngress:
         self.core = Core(replicas, self.cfg, key)
         self.links = Links(self.store, key, self.cfg.jobs)
         self.desk = JobDesk(self.core, self.store, self.links, lambda rid: self.abort([rid]))
+        self.a1111 = A1111Desk(self.store)  # the AUTOMATIC1111 routes' per-caller state
         # Read by access.py's middleware and route dependency through Serve's replica context.
         self.access = self.core.access
         # Bodies are bounded before anyone knows which model they name: by the largest bound.

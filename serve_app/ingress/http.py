@@ -11,7 +11,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve_app.access import BodyLimit, check_api_key, error_response
 from serve_app.errors import InvalidRequest, NotFound, ServingError
-from serve_app.ingress import admin, checkpoints, images, jobs, ops, requests
+from serve_app.ingress import a1111, admin, checkpoints, images, jobs, ops, requests
 from serve_app.ingress.checks import validation_to_error
 from serve_app.ingress.failures import not_ready
 from serve_app.ingress.openapi import document
@@ -22,11 +22,11 @@ logger = logging.getLogger("ray.serve")
 
 
 async def _serving_error(request: Request, exc: ServingError) -> JSONResponse:
-    return error_response(exc)
+    return error_response(exc, path=request.url.path)
 
 
 async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    return error_response(validation_to_error(exc.errors()))
+    return error_response(validation_to_error(exc.errors()), path=request.url.path)
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -34,16 +34,18 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     kinds = {404: NotFound, 405: InvalidRequest}
     err = kinds.get(exc.status_code, InvalidRequest)(f"{request.method} {request.url.path}: {exc.detail}")
     err.status_code = exc.status_code
-    return error_response(err)
+    return error_response(err, path=request.url.path)
 
 
 async def _no_replica(request: Request, exc: DeploymentUnavailableError) -> JSONResponse:
-    return error_response(not_ready())
+    return error_response(not_ready(), path=request.url.path)
 
 
 async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
-    return error_response(ServingError("internal error; the server log has the details"))
+    return error_response(
+        ServingError("internal error; the server log has the details"), path=request.url.path
+    )
 
 
 def make_app() -> FastAPI:
@@ -63,7 +65,7 @@ def make_app() -> FastAPI:
         (Exception, _unexpected),
     ):
         fastapi_app.add_exception_handler(exc_type, handler)
-    for module in (images, requests, admin, checkpoints, ops, jobs):
+    for module in (images, requests, admin, checkpoints, ops, jobs, a1111):
         fastapi_app.include_router(module.router)
     document(fastapi_app, ImagesEditRequest)
     return fastapi_app

@@ -66,6 +66,9 @@ def _card(info: ModelDescription, aliases: list[str], now: int) -> ModelCard:
         default_width=info.default_width,
         default_steps=info.default_steps,
         accelerations=info.accelerations,
+        samplers=info.samplers,
+        default_sampler=info.default_sampler,
+        default_sigma_schedule=info.default_sigma_schedule,
     )
 
 

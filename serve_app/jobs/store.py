@@ -85,6 +85,18 @@ class Store:
         self._create(path, secrets.token_hex(32).encode())  # the first ingress's key is everyone's
         return self._read(path)
 
+    # ------------------------------------------------------------------ settings
+
+    def put_setting(self, name: str, value: Any) -> None:
+        """A small JSON value under `name` (letters, digits, '-', '_'), shared by every ingress
+        that uses this store (a caller's chosen model, say); never pruned."""
+        self.fs.makedirs(self._path("settings"), exist_ok=True)
+        self._write(self._path("settings", f"{name}.json"), json.dumps(value).encode())
+
+    def get_setting(self, name: str) -> Any:
+        data = self._read(self._path("settings", f"{name}.json"))
+        return json.loads(data) if data is not None else None
+
     # ------------------------------------------------------------------ jobs
 
     def save_job(self, job: JobRecord) -> None:

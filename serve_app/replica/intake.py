@@ -39,6 +39,7 @@ def new_job(engine: Engine, request: PreparedRequest, future: asyncio.Future, pr
     """The job for `request`, once the engine takes its arguments (else `InvalidRequest`)."""
     extra = checked_extra(engine, request)
     embeds = checked_embeds(engine, request)
+    sampler, sigma_schedule = checked_sampler(engine, request)
     image = request.image.to_pil() if request.image is not None else None
     mask = request.mask.to_pil() if request.mask is not None else None
     rows = [
@@ -61,6 +62,8 @@ def new_job(engine: Engine, request: PreparedRequest, future: asyncio.Future, pr
         vae_slicing=request.vae_use_slicing,
         vae_tiling=request.vae_use_tiling,
         acceleration=request.acceleration,
+        sampler=sampler,
+        sigma_schedule=sigma_schedule,
     )
     # Adapters go on the rows, not in the key: the request may share a call with other adapters.
     if request.loras:
@@ -68,9 +71,11 @@ def new_job(engine: Engine, request: PreparedRequest, future: asyncio.Future, pr
         rows = [dataclasses.replace(r, adapters=adapters) for r in rows]
     # SDXL treats an absent negative prompt differently from an empty one: keep them apart.
     kinds = (request.negative_prompt is None, *(t is None for t in embeds.values()))
-    # A joined call runs each request's own pipeline call: steps, guidance, strength and
-    # the outputs asked for may differ between the requests that share its denoiser.
-    own = dict(steps=0, guidance_scale=0.0, strength=None, return_latents=False, return_trajectory=False)
+    # A joined call runs each request's own pipeline call: steps, guidance, strength, the
+    # sampler (each row's call has a scheduler of its own) and the outputs asked for may differ
+    # between the requests that share its denoiser.
+    own = dict(steps=0, guidance_scale=0.0, strength=None, return_latents=False, return_trajectory=False,
+               sampler=None, sigma_schedule=None)  # fmt: skip
     return Job(
         request_id=request.request_id,
         rows=rows,
@@ -117,6 +122,15 @@ def checked_extra(engine: Engine, request: PreparedRequest) -> dict[str, Any]:
     except ValueError as e:  # the message starts with the field's name
         raise InvalidRequest(str(e), param=str(e).split(":")[0], request_id=rid) from None
     return extra
+
+
+def checked_sampler(engine: Engine, request: PreparedRequest) -> tuple[str | None, str | None]:
+    """The request's sampler and sigma schedule as the engine names them ((None, None): the
+    model's own scheduler), once the engine offers them."""
+    try:
+        return engine.check_sampler(request.sampler, request.sigma_schedule)
+    except ValueError as e:  # the message starts with the field's name
+        raise InvalidRequest(str(e), param=str(e).split(":")[0], request_id=request.request_id) from None
 
 
 def checked_embeds(engine: Engine, request: PreparedRequest) -> dict[str, torch.Tensor | None]:

@@ -65,7 +65,9 @@ class CheckpointServing:
             except InvalidRequest as e:
                 raise ModelLoadError(e.message.removeprefix("source: ")) from None
             own = {"source": source, "name": name, "aliases": [], "warmup": False, "revision": None,
-                   "variant": None, "safetensors_only": True}  # fmt: skip
+                   "variant": None, "safetensors_only": True,
+                   # a single file's configs: the pool's own, else its model's layout
+                   "pipeline_config": base.pipeline_config or base.source}  # fmt: skip
             return factory(base.model_copy(update=own), reuse=reuse)
 
         self.checkpoints = CheckpointResidency(

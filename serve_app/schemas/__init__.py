@@ -84,6 +84,7 @@ from serve_app.schemas.openai import (
     ImagesUsage,
     ModelCard,
     ModelList,
+    SamplerCard,
     VideosGenerationRequest,
     parse_size,
 )
@@ -143,6 +144,7 @@ __all__ = [
     "RequestId",
     "RequestState",
     "RpcCall",
+    "SamplerCard",
     "StageMetrics",
     "StatusResponse",
     "TenantStatus",

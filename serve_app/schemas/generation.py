@@ -85,6 +85,19 @@ class GenerationParams(_Wire):
         description="Step caching: `fast` and `faster` reuse the denoiser's block outputs across steps "
         "(quicker, a little less faithful); default: the deployment's `model.optimizations.step_cache`.",
     )
+    sampler: str | None = Field(
+        None,
+        max_length=64,
+        description="The sampler, by AUTOMATIC1111's name ('Euler a', 'DPM++ 2M', 'DPM++ 2M Karras', ...), "
+        "a k-diffusion alias or a diffusers scheduler class; `GET /v1/models` lists each model's. "
+        "Default: the model's own scheduler.",
+    )
+    sigma_schedule: str | None = Field(
+        None,
+        max_length=32,
+        description="With a sampler: 'karras', 'exponential' or 'beta' noise levels instead of its own "
+        "('automatic'); A1111's `scheduler`.",
+    )
 
 
 class _ImageInputs(_Wire):

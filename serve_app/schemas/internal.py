@@ -60,6 +60,9 @@ class PreparedRequest(_Wire):
     extra: dict[str, Any] = Field(default_factory=dict)
     loras: list[LoraRef] = Field(default_factory=list)  # by name, each with its scale and path resolved
     acceleration: Acceleration = "none"
+    # The sampler and sigma schedule as the model names them (None: the model's own scheduler).
+    sampler: str | None = None
+    sigma_schedule: str | None = None
     prompt_embeds: TensorPayload | None = None
     negative_prompt_embeds: TensorPayload | None = None
     pooled_prompt_embeds: TensorPayload | None = None
@@ -95,6 +98,7 @@ class PreparedRequest(_Wire):
         image: PixelPayload | None = None,
         mask: PixelPayload | None = None,
         acceleration: str = "none",
+        sampler: tuple[str | None, str | None] = (None, None),
         model: str = "",
         checkpoint: str | None = None,
         checkpoint_source: str | None = None,
@@ -129,6 +133,8 @@ class PreparedRequest(_Wire):
             extra=request.extra,
             loras=loras or [],
             acceleration=request.acceleration or acceleration,
+            sampler=sampler[0],
+            sigma_schedule=sampler[1],
             model=model,
             checkpoint=checkpoint,
             checkpoint_source=checkpoint_source,
@@ -224,6 +230,11 @@ class ModelDescription(BaseModel):
     default_width: int
     default_steps: int
     accelerations: list[str] = Field(default_factory=lambda: ["none"])
+    # Each offered sampler: name, scheduler (diffusers class), aliases, sigma_schedules.
+    samplers: list[dict[str, Any]] = Field(default_factory=list)
+    default_sampler: str | None = None
+    default_sigma_schedule: str | None = None
+    sampler_kind: str = ""
     rpc_methods: list[str] = Field(default_factory=list)
 
     def embeds_shapes(self) -> dict[str, list[int]] | None:

@@ -211,6 +211,17 @@ class ImagesResponse(BaseModel):
     attempts: int = 1
 
 
+class SamplerCard(BaseModel):
+    """A sampler a model offers (the request's `sampler`) and the sigma schedules it takes."""
+
+    name: str = Field(description="AUTOMATIC1111's name.")
+    scheduler: str = Field(description="The diffusers scheduler class it is.")
+    aliases: list[str] = Field(default_factory=list, description="Other names a request may give.")
+    sigma_schedules: list[str] = Field(
+        default_factory=list, description="`sigma_schedule` values it takes besides its own ('automatic')."
+    )
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -233,6 +244,13 @@ class ModelCard(BaseModel):
     accelerations: list[Acceleration] = Field(
         default_factory=lambda: ["none"], description="The `acceleration` levels the model offers."
     )
+    samplers: list[SamplerCard] = Field(
+        default_factory=list, description="The samplers a request may name (`sampler`); empty: only its own."
+    )
+    default_sampler: str | None = Field(
+        None, description="The sampler of the model's own scheduler (None: one without a name here)."
+    )
+    default_sigma_schedule: str | None = None
     ready: bool = Field(True, description="Whether a replica serves it now (else requests for it get 503).")
     pool: str | None = Field(
         None, description="A registered checkpoint's pool model: it runs on that pool's replicas, "

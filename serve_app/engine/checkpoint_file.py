@@ -1,0 +1,179 @@
+"""A pipeline from one checkpoint file in the original layout: the single `.safetensors` file of
+A1111, ComfyUI and model sites, which holds the UNet, VAE and text encoder of Stable Diffusion
+1.x under their original names. diffusers' `from_single_file` converts the weights; nothing is
+downloaded: the pipeline's configs (component configs, tokenizer, scheduler) come from
+`model.pipeline_config`, a local diffusers directory or an embedded model's, written out here
+once per process.
+
+Every refusal is a `ModelLoadError` that names the file (as configured) and says why.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from serve_app.checkpoints import family_of
+from serve_app.config import BUILTIN_PREFIX, ModelConfig
+from serve_app.engine.types import ModelLoadError
+from serve_app.layouts import (
+    LAYOUTS,
+    PICKLE_REASON,
+    SAFETENSORS_SUFFIX,
+    FileRefused,
+    describe_layout,
+    is_pickle_name,
+    loadable_layout,
+    safetensors_keys,
+)
+
+
+def load_single_file(cfg: ModelConfig, dtype: torch.dtype, reuse: dict[str, Any] | None = None):
+    """The pipeline of `cfg.source`, a single-file checkpoint, on the CPU (the caller moves it);
+    `reuse` components are taken as they are instead of being read from the file."""
+    src = cfg.source
+    path, keys, layout = _checked_file(src)
+    config_dir = pipeline_config_dir(cfg.pipeline_config)
+    index = json.loads((config_dir / "model_index.json").read_text())
+    class_name, expected = index.get("_class_name", ""), LAYOUTS[layout][1]
+    if family_of(class_name) != family_of(expected):
+        raise ModelLoadError(
+            f"model.pipeline_config: {cfg.pipeline_config!r} describes a {class_name}; "
+            f"{src!r} is {describe_layout(keys)} (a {expected})"
+        )
+    import diffusers
+
+    def scrub(e: Exception) -> str:  # no server path in the message: the names as configured
+        return str(e).replace(str(config_dir), str(cfg.pipeline_config)).replace(str(path), src)
+
+    try:
+        parts = _converted_models(index, path, config_dir, src, reuse or {})
+        pipe = getattr(diffusers, class_name).from_single_file(
+            str(path), config=str(config_dir), local_files_only=True, **parts
+        )  # in the file's dtype: a weight it lacks stays on the meta device, found below
+    except ModelLoadError:
+        raise
+    except Exception as e:  # diffusers raises many types here; all mean "cannot load"
+        raise ModelLoadError(f"model.source: cannot load {src!r}: {type(e).__name__}: {scrub(e)}") from e
+    _check_complete(pipe, src, LAYOUTS[layout][0])
+    if cfg.pipeline_config == BUILTIN_PREFIX + "shapes":
+        from serve_app.engine.builtin import add_grid_positions
+
+        add_grid_positions(pipe.unet)  # the trained model's positions are part of its code
+    return pipe.to(dtype=dtype)
+
+
+def _checked_file(src: str) -> tuple[Path, list[str], str]:
+    """The file, its tensor names and its layout, or ModelLoadError saying why not."""
+    field = "model.source"
+    if is_pickle_name(src):
+        raise ModelLoadError(f"{field}: {src!r} is a pickle checkpoint: {PICKLE_REASON}")
+    path = Path(src).expanduser()
+    if not path.is_file():
+        raise ModelLoadError(f"{field}: no checkpoint file at {src!r}")
+    if path.suffix != SAFETENSORS_SUFFIX:  # diffusers reads any other name (.SAFETENSORS too) as a pickle
+        raise ModelLoadError(f"{field}: {src!r}: a single-file checkpoint's name ends in .safetensors")
+    try:
+        keys = safetensors_keys(path)
+        return path, keys, loadable_layout(keys)
+    except FileRefused as e:
+        raise ModelLoadError(f"{field}: {src!r} {e}") from None
+
+
+def _converted_models(index: dict, path: Path, config_dir: Path, src: str, reuse: dict) -> dict[str, Any]:
+    """`reuse`, and each diffusers model of the pipeline (UNet, VAE) converted from the file
+    one at a time, so that one the file holds only part of is named: diffusers fails such a
+    model as it moves its empty weights."""
+    import diffusers
+    from diffusers.loaders.single_file_model import FromOriginalModelMixin
+    from safetensors.torch import load_file
+
+    out, state = dict(reuse), None
+    for name, kind in index.items():
+        cls = getattr(diffusers, kind[1], None) if isinstance(kind, list) and kind[0] == "diffusers" else None
+        if name in out or not (isinstance(cls, type) and issubclass(cls, FromOriginalModelMixin)):
+            continue
+        state = load_file(str(path)) if state is None else state
+        try:
+            out[name] = cls.from_single_file(
+                state, config=str(config_dir), subfolder=name, local_files_only=True
+            )
+        except NotImplementedError as e:
+            if "meta tensor" not in str(e):
+                raise
+            raise ModelLoadError(
+                f"model.source: {src!r} lacks weights of the {name} (some of its tensors are absent); "
+                "not a whole checkpoint"
+            ) from None
+    return out
+
+
+def _check_complete(pipe, src: str, layout: str) -> None:
+    """Refuse a pipeline some of whose weights the file did not hold (diffusers leaves a text
+    encoder's on the meta device, to fail later)."""
+    for name, module in pipe.components.items():
+        if not isinstance(module, torch.nn.Module):
+            continue
+        missing = [k for k, v in module.state_dict().items() if v.is_meta]
+        if missing:
+            raise ModelLoadError(
+                f"model.source: {src!r} lacks {len(missing)} weights of the {name} (e.g. {missing[0]}); "
+                f"not a whole {layout} checkpoint"
+            )
+
+
+def pipeline_config_dir(setting: str | None) -> Path:
+    """The local directory that holds the pipeline's configs for `model.pipeline_config`."""
+    field = "model.pipeline_config"
+    if setting is None:
+        raise ModelLoadError(
+            f"{field}: a single-file source needs the pipeline's configs: a local diffusers directory "
+            "(model_index.json, component configs, tokenizer, scheduler) or builtin:<name>"
+        )
+    if setting.startswith(BUILTIN_PREFIX):
+        return builtin_configs(setting[len(BUILTIN_PREFIX) :])
+    path = Path(setting).expanduser()
+    if not (path / "model_index.json").is_file():
+        raise ModelLoadError(
+            f"{field}: {setting!r} is not a local diffusers pipeline directory (no model_index.json); "
+            "nothing is downloaded"
+        )
+    return path
+
+
+@functools.lru_cache(maxsize=8)
+def builtin_configs(name: str) -> Path:
+    """A directory with the configs of `builtin:<name>` (no weights), written once per process;
+    the trained model's own directory for `shapes`."""
+    from serve_app.engine.builtin import SHAPES_DIR, build_builtin
+
+    if name == "shapes":
+        return SHAPES_DIR
+    pipe = build_builtin(name, device="meta")  # the shapes without the memory
+    out = Path(tempfile.mkdtemp(prefix=f"diffusion-serve-{name}-configs-"))
+    write_configs(pipe, out)
+    return out
+
+
+def write_configs(pipe, out: Path) -> None:
+    """`pipe`'s model_index.json and each component's config, tokenizer files or scheduler
+    config, laid out as a diffusers pipeline directory without weights."""
+    from diffusers import ModelMixin, SchedulerMixin
+    from transformers import PreTrainedModel
+
+    pipe.save_config(out)
+    for name, part in pipe.components.items():
+        if part is None or not hasattr(part, "save_pretrained") and not hasattr(part, "save_config"):
+            continue
+        target = out / name
+        if isinstance(part, ModelMixin | SchedulerMixin):
+            part.save_config(target)
+        elif isinstance(part, PreTrainedModel):
+            part.config.save_pretrained(target)
+        else:  # tokenizers, feature extractors
+            part.save_pretrained(target)

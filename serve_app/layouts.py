@@ -1,0 +1,144 @@
+"""What a weights file is, read from its first bytes and its header alone. No torch here: the
+ingress checks adapter and checkpoint files with it before any replica loads them.
+
+A `.safetensors` file is 8 bytes (the header's length, little-endian), a JSON header naming
+every tensor with its dtype, shape and byte range, then the tensors. Its header tells a file
+that is no safetensors file (a pickle under that name, say) or one cut short from a good one,
+and its tensor names tell the layout of a single-file checkpoint, before anything is loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+# Weights in Python's pickle format (torch.save's): loading one runs the code it carries.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+SAFETENSORS_SUFFIX = ".safetensors"
+MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own bound
+
+PICKLE_REASON = "loading a pickle runs the code it carries, so only .safetensors weights are loaded"
+
+# Single-file checkpoint layouts (the original repositories' key names), each by the tensor
+# names that mark it, with its diffusers pipeline; only `LOADABLE` ones are served.
+LAYOUTS = {
+    "sd1": ("Stable Diffusion 1.x", "StableDiffusionPipeline"),
+    "sd2": ("Stable Diffusion 2.x", "StableDiffusionPipeline"),
+    "sdxl": ("SDXL", "StableDiffusionXLPipeline"),
+    "sd3": ("SD3", "StableDiffusion3Pipeline"),
+    "flux": ("FLUX", "FluxPipeline"),
+}
+LOADABLE = ("sd1",)
+# The parts a loadable layout's file holds, by the prefix of their tensor names.
+PARTS = {"sd1": {"UNet": "model.diffusion_model.", "VAE": "first_stage_model.",
+                 "text encoder": "cond_stage_model.transformer."}}  # fmt: skip
+
+
+class FileRefused(ValueError):
+    """Why a file cannot be loaded, worded to follow its name ("... is cut short")."""
+
+
+def is_single_file(source: str) -> bool:
+    """Whether a model source names one weights file (safetensors or a pickle) by its suffix."""
+    return Path(source).suffix.lower() in (SAFETENSORS_SUFFIX, *PICKLE_SUFFIXES)
+
+
+def is_pickle_name(source: str) -> bool:
+    return Path(source).suffix.lower() in PICKLE_SUFFIXES
+
+
+def safetensors_keys(path: str | Path) -> list[str]:
+    """The tensor names of a safetensors file, its header checked against the file's size;
+    FileRefused if it is a pickle, is cut short, or is no safetensors file at all."""
+    p = Path(path)
+    size = p.stat().st_size
+    with open(p, "rb") as f:
+        head = f.read(9)  # the header's length, then its first byte: '{' in every safetensors file
+        # A header length whose low bytes read as a pickle's opening is still a safetensors file.
+        if _is_pickle(head) and head[8:9] != b"{":
+            raise FileRefused(f"holds a pickle (torch.save's format), not safetensors: {PICKLE_REASON}")
+        if len(head) < 9:
+            raise FileRefused("is not a safetensors file (shorter than its header)")
+        n = int.from_bytes(head[:8], "little")
+        if n > MAX_HEADER_BYTES:
+            raise FileRefused("is not a safetensors file (its first bytes give no header length)")
+        if 8 + n > size:
+            raise FileRefused(f"is cut short: its header needs {8 + n} bytes and the file has {size}")
+        f.seek(8)
+        try:
+            header = json.loads(f.read(n))
+        except (ValueError, RecursionError):
+            raise FileRefused("is not a safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise FileRefused("is not a safetensors file (its header is not a JSON object)")
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    try:
+        ranges = [v["data_offsets"] for v in tensors.values()]
+        if not all(type(a) is int and type(b) is int and 0 <= a <= b for a, b in ranges):
+            raise ValueError
+        end = max((b for _, b in ranges), default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        raise FileRefused("is not a safetensors file (its header has no byte ranges)") from None
+    if 8 + n + end > size:
+        raise FileRefused(f"is cut short: its tensors need {8 + n + end} bytes and the file has {size}")
+    return list(tensors)
+
+
+def _is_pickle(head: bytes) -> bool:
+    """A pickle (protocol 2 or later: 0x80 and the protocol) or torch.save's zip of one."""
+    return head.startswith(b"PK\x03\x04") or (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5)
+
+
+def checkpoint_layout(keys: list[str]) -> str | None:
+    """The `LAYOUTS` name of a single-file checkpoint with these tensor names; None if none."""
+
+    def has(prefix: str) -> bool:
+        return any(k.startswith(prefix) for k in keys)
+
+    unet = "model.diffusion_model."
+    if has("conditioner.embedders.") and has(unet + "input_blocks."):
+        return "sdxl"
+    if has(unet + "joint_blocks.") or has("joint_blocks."):
+        return "sd3"
+    if has(unet + "double_blocks.") or has("double_blocks."):
+        return "flux"
+    if has(unet + "input_blocks."):
+        if has("cond_stage_model.transformer."):
+            return "sd1"
+        if has("cond_stage_model.model."):
+            return "sd2"
+    return None
+
+
+def describe_layout(keys: list[str]) -> str:
+    """The layout's name for a message, or what the file's names look like."""
+    layout = checkpoint_layout(keys)
+    if layout is not None:
+        return f"a checkpoint in the {LAYOUTS[layout][0]} layout"
+    tops = sorted({k.split(".", 1)[0][:40] for k in keys})[:4]
+    return "of no checkpoint layout this server knows (its tensors begin " + ", ".join(map(repr, tops)) + ")"
+
+
+def loadable_layout(keys: list[str]) -> str:
+    """The layout of a whole single-file checkpoint this server loads; FileRefused saying why
+    a file with these tensor names is not one."""
+    layout = checkpoint_layout(keys)
+    if layout not in LOADABLE:
+        raise FileRefused(
+            f"is {describe_layout(keys)}; single files are loaded in the {LAYOUTS['sd1'][0]} "
+            "layout only (give a diffusers directory for other models)"
+        )
+    if (why := missing_part(layout, keys)) is not None:
+        raise FileRefused(why)
+    return layout
+
+
+def missing_part(layout: str, keys: list[str]) -> str | None:
+    """Why a file of a loadable layout is not a whole checkpoint (a part of it absent); None if
+    every part is there."""
+    for part, prefix in PARTS.get(layout, {}).items():
+        if not any(k.startswith(prefix) for k in keys):
+            return (
+                f"holds no {part} weights (no {prefix}* tensors); not a whole {LAYOUTS[layout][0]} checkpoint"
+            )
+    return None

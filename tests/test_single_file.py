@@ -1,0 +1,267 @@
+"""Single-file checkpoints in the original (A1111/ComfyUI) Stable Diffusion 1.x layout: the
+embedded twin written as one file (`python -m serve_app.single_file`) loads back through
+diffusers' `from_single_file`, its configs from `model.pipeline_config` (an embedded model's or
+a local diffusers directory, nothing downloaded), and makes the twin's images; files that are
+cut short, pickles, of another layout or incomplete fail the start naming the file; served
+over HTTP as `model.source` and as a pool's checkpoint, where each bad file is a 400 naming
+`source` and the replica keeps its id."""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from pydantic import ValidationError
+from safetensors.torch import load_file, save_file
+
+from serve_app.config import ModelConfig
+from serve_app.engine import CallParams, DiffusionEngine, ModelLoadError, Row
+from serve_app.engine.builtin import build_builtin
+from serve_app.layouts import checkpoint_layout
+from serve_app.single_file import main as write_main
+from serve_app.single_file import write_single_file
+from tests.conftest import engine_cache
+
+PROMPT = "a red circle"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """The twin (seed 0, written by the command line) and one of other weights (seed 1) in the
+    original layout, and the bad files: cut short, a pickle under the name, a file of no
+    checkpoint layout, an SDXL-layout header, one without its VAE, a `.ckpt`."""
+    root = tmp_path_factory.mktemp("single-file")
+    write_main(["builtin:tiny-sd", str(root / "tiny-sd.safetensors")])
+    write_single_file(build_builtin("tiny-sd", seed=1), root / "tiny-sd-1.safetensors")
+    good = (root / "tiny-sd.safetensors").read_bytes()
+    (root / "cut.safetensors").write_bytes(good[: len(good) // 2])
+    torch.save({"weight": torch.zeros(2)}, root / "pickle.safetensors")
+    torch.save({"weight": torch.zeros(2)}, root / "old.ckpt")
+    save_file(build_builtin("tiny-sd").unet.state_dict(), str(root / "unet-only.safetensors"))
+    unet = "model.diffusion_model."
+    for name, keys in (  # headers of the other layouts
+        ("sdxl", [unet + "input_blocks.0.0.weight", "conditioner.embedders.1.model.ln_final.weight"]),
+        ("sd2", [unet + "input_blocks.0.0.weight", "cond_stage_model.model.ln_final.weight"]),
+        ("sd3", [unet + "joint_blocks.0.x_block.attn.qkv.weight"]),
+        ("flux", ["double_blocks.0.img_attn.qkv.weight"]),
+    ):
+        save_file({k: torch.zeros(1) for k in keys}, str(root / f"{name}.safetensors"))
+    state = load_file(str(root / "tiny-sd.safetensors"))
+    save_file({k: v for k, v in state.items() if not k.startswith("first_stage_model.")},
+              str(root / "no-vae.safetensors"))  # fmt: skip
+    save_file({k: v for k, v in state.items() if not k.startswith("first_stage_model.decoder.")},
+              str(root / "half-vae.safetensors"))  # fmt: skip
+    layer = "cond_stage_model.transformer.text_model.encoder.layers.1."
+    save_file(
+        {k: v for k, v in state.items() if not k.startswith(layer)}, str(root / "half-text.safetensors")
+    )
+    build_builtin("tiny-sd").save_pretrained(root / "tiny-sd-diffusers", safe_serialization=True)
+    return root
+
+
+@pytest.fixture(scope="module")
+def engines():
+    with engine_cache() as get:
+        yield get
+
+
+def engine(source, pipeline_config="builtin:tiny-sd", **kw) -> DiffusionEngine:
+    cfg = ModelConfig(source=str(source), pipeline_config=pipeline_config, device="cpu", warmup=False, **kw)
+    return DiffusionEngine(cfg)
+
+
+def pixels(e: DiffusionEngine, seed: int = 1) -> np.ndarray:
+    params = CallParams(height=32, width=32, steps=3, guidance_scale=7.5)
+    return np.asarray(e.run([Row(PROMPT, None, seed)], params).images[0]).astype(int)
+
+
+@pytest.mark.parametrize("config", ["builtin:tiny-sd", "directory"])
+def test_a_single_file_makes_the_images_of_the_pipeline_it_was_written_from(files, engines, config):
+    """Its weights come from the file (the seed-1 twin's, whatever the config directory holds)
+    and its configs, tokenizer and scheduler from the config: the same images, pixel for pixel."""
+    assert checkpoint_layout(list(load_file(str(files / "tiny-sd.safetensors")))) == "sd1"
+    pipeline_config = str(files / "tiny-sd-diffusers") if config == "directory" else config
+    twin, other = (
+        engine(files / "tiny-sd.safetensors", pipeline_config),
+        engine(files / "tiny-sd-1.safetensors", pipeline_config),
+    )
+    seed1 = DiffusionEngine(ModelConfig(source="builtin:tiny-sd", seed=1, device="cpu", warmup=False))
+    try:
+        assert twin.model_name == "tiny-sd" and twin.describe()["family"] == "sd"
+        for name in ("unet", "vae", "text_encoder"):
+            mine, built = getattr(other.pipe, name).state_dict(), getattr(seed1.pipe, name).state_dict()
+            assert mine.keys() == built.keys() and all(torch.equal(mine[k], built[k]) for k in mine), name
+        assert (pixels(twin) == pixels(engines("tiny-sd"))).all()
+        assert (pixels(other) == pixels(seed1)).all()
+        assert np.abs(pixels(other) - pixels(twin)).max() > 20  # the file's weights, not the config's
+    finally:
+        for e in (twin, other, seed1):
+            e.close()
+
+
+@pytest.mark.parametrize(
+    "name, config, message",
+    [
+        ("cut.safetensors", None, "is cut short"),
+        ("pickle.safetensors", None, "holds a pickle"),
+        ("unet-only.safetensors", None, "of no checkpoint layout this server knows"),
+        ("sdxl.safetensors", None, "is a checkpoint in the SDXL layout; single files are loaded in the"),
+        ("sd2.safetensors", None, "is a checkpoint in the Stable Diffusion 2.x layout; single files"),
+        ("sd3.safetensors", None, "is a checkpoint in the SD3 layout; single files"),
+        ("flux.safetensors", None, "is a checkpoint in the FLUX layout; single files"),
+        ("no-vae.safetensors", None, "holds no VAE weights (no first_stage_model.* tensors)"),
+        ("half-vae.safetensors", None, "lacks weights of the vae"),
+        ("half-text.safetensors", None, "lacks 16 weights of the text_encoder (e.g. encoder.layers.1."),
+        ("missing.safetensors", None, "no checkpoint file at"),
+        ("tiny-sd.safetensors", "builtin:tiny-sdxl", "describes a StableDiffusionXLPipeline"),
+        ("tiny-sd.safetensors", "not-a-pipeline", "is not a local diffusers pipeline directory"),
+    ],
+)
+def test_a_bad_checkpoint_file_fails_the_start_naming_the_file(files, name, config, message):
+    with pytest.raises(ModelLoadError) as e:
+        engine(files / name, config or "builtin:tiny-sd")
+    text = str(e.value)
+    assert message in text and (name in text or config in text), text
+
+
+def test_pickles_and_files_without_configs_are_refused_by_the_config():
+    for suffix in (".ckpt", ".pt", ".bin"):
+        with pytest.raises(ValidationError, match="pickle checkpoint: loading a pickle runs the code"):
+            ModelConfig(source=f"/models/v1-5{suffix}", pipeline_config="builtin:tiny-sd")
+    with pytest.raises(ValidationError, match="pipeline_config: the single-file source '/m/a.safetensors'"):
+        ModelConfig(source="/m/a.safetensors")
+    with pytest.raises(ValidationError, match="unknown builtin model"):
+        ModelConfig(source="/m/a.safetensors", pipeline_config="builtin:nope")
+    readme = ModelConfig(source="/models/my-sd15-finetune.safetensors", pipeline_config="/models/sd15")
+    assert readme.served_name == "my-sd15-finetune"
+
+
+def png(r) -> np.ndarray:
+    assert r.status_code == 200, r.text
+    return np.asarray(Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"])))).astype(int)
+
+
+def test_single_files_are_served_as_the_model_and_as_a_pools_checkpoints(
+    files, app_factory, client, tmp_path
+):
+    """The app's model is the twin's file (its image is the shared app's, which serves the
+    twin), its pool takes a checkpoint file (the seed-1 twin's image), and every bad file is a
+    400 naming `source` with no server path, the replica keeping its id."""
+    prefix = app_factory(
+        "single-file",
+        model={"source": str(files / "tiny-sd.safetensors"), "pipeline_config": "builtin:tiny-sd"},
+        multiplex={"max_models_per_replica": 1},
+        checkpoints={"allowed_roots": [str(files)], "registry_path": str(tmp_path / "checkpoints.json")},
+    )
+    body = {"prompt": PROMPT, "seed": 1, "size": "32x32", "num_inference_steps": 3}
+    mine = png(client.post(f"{prefix}/v1/images/generations", json=body))
+    assert (mine == png(client.post("/v1/images/generations", json=body))).all()
+    assert client.get(f"{prefix}/v1/models").json()["data"][0]["id"] == "tiny-sd"
+
+    def replica_ids():
+        st = client.get(f"{prefix}/v1/status").json()
+        return sorted(r["replica_id"] for m in st["models"] for r in m["replicas"])
+
+    before = replica_ids()
+    add = client.post(
+        f"{prefix}/v1/checkpoints", json={"name": "one", "source": str(files / "tiny-sd-1.safetensors")}
+    )
+    assert add.status_code == 200, add.text
+    assert add.json()["source"] == "tiny-sd-1.safetensors"  # relative to its root
+    one = png(client.post(f"{prefix}/v1/images/generations", json={**body, "model": "one"}))
+    threads = torch.get_num_threads()  # the replica's one thread, for the same rounding
+    seed1 = DiffusionEngine(
+        ModelConfig(source="builtin:tiny-sd", seed=1, device="cpu", warmup=False, cpu_threads=1)
+    )
+    try:
+        assert np.abs(one - pixels(seed1)).max() <= 3 and np.abs(one - mine).max() > 20
+    finally:
+        seed1.close()
+        torch.set_num_threads(threads)
+    for name, message in [
+        ("cut.safetensors", "'cut.safetensors' is cut short"),
+        ("pickle.safetensors", "'pickle.safetensors' holds a pickle"),
+        ("old.ckpt", "'old.ckpt' is a pickle checkpoint"),
+        ("unet-only.safetensors", "'unet-only.safetensors' is of no checkpoint layout"),
+        ("sdxl.safetensors", "'sdxl.safetensors' is a checkpoint in the SDXL layout; single files are loaded"),
+        ("no-vae.safetensors", "'no-vae.safetensors' holds no VAE weights"),
+        (
+            "half-vae.safetensors",
+            "'half-vae.safetensors' lacks weights of the vae",
+        ),  # fails on the replica
+    ]:
+        r = client.post(
+            f"{prefix}/v1/checkpoints", json={"name": name.split(".")[0], "source": str(files / name)}
+        )
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "source" and message in err["message"], (name, err)
+        assert str(files) not in r.text, err
+    assert replica_ids() == before
+    listed = {c["name"] for c in client.get(f"{prefix}/v1/checkpoints").json()["checkpoints"]}
+    assert listed == {"one"}
+    assert json.loads((tmp_path / "checkpoints.json").read_text()).keys() == {"one"}
+
+
+def test_a_pools_checkpoint_file_takes_its_configs_from_the_pools_model(files, tmp_path):
+    """A pool of an embedded model (no `pipeline_config` of its own) loads a single-file
+    checkpoint with that model's configs; its images are those of the weights in the file."""
+    from serve_app.config import CheckpointsConfig, MultiplexSettings
+    from serve_app.replica.pool import CheckpointServing
+
+    pool = CheckpointServing()
+    pool.cfg = ModelConfig(source="builtin:tiny-sd", device="cpu", warmup=False)
+    pool._init_routing()
+    settings = CheckpointsConfig(allowed_roots=[str(files)], registry_path=str(tmp_path / "registry.json"))
+    pool._init_pool(lambda cfg, reuse: DiffusionEngine(cfg, reuse=reuse), MultiplexSettings(), settings)
+    one = pool.checkpoints._load("one", str(files / "tiny-sd-1.safetensors"), {})
+    seed1 = DiffusionEngine(ModelConfig(source="builtin:tiny-sd", seed=1, device="cpu", warmup=False))
+    try:
+        assert one.cfg.pipeline_config == "builtin:tiny-sd" and one.model_name == "one"
+        assert (pixels(one) == pixels(seed1)).all()
+    finally:
+        for e in (one, seed1):
+            e.close()
+        pool.checkpoints.close()
+
+
+def test_the_header_check_takes_every_real_file_and_refuses_hostile_headers(tmp_path):
+    """A header length whose low bytes read 0x80 0x02 (a pickle's opening) in a real file is
+    taken; headers that would overflow, nest without end or give byte ranges that are no
+    ranges are refused as what they are, never an internal error."""
+    import struct
+
+    from serve_app.engine.checkpoint_file import _checked_file
+    from serve_app.layouts import FileRefused, safetensors_keys
+
+    real = tmp_path / "real.safetensors"
+    for k in range(1, 700):  # a header of exactly 640 bytes: it begins 0x80 0x02
+        save_file({"w": torch.zeros(1)}, str(real), metadata={"m": "a" * k})
+        if real.read_bytes()[:2] == b"\x80\x02":
+            break
+    assert real.read_bytes()[:2] == b"\x80\x02"
+    assert safetensors_keys(real) == ["w"]
+
+    def written(name: str, header: bytes):
+        path = tmp_path / name
+        path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
+        return path
+
+    tensor = '{"t": {"dtype": "F32", "shape": [1], "data_offsets": %s}}'
+    for name, header in [
+        ("inf", (tensor % "[0, Infinity]").encode()),
+        ("negative", (tensor % "[-4, 0]").encode()),
+        ("backwards", (tensor % "[4, 0]").encode()),
+        ("bools", (tensor % "[false, true]").encode()),
+        ("deep", b"[" * 100_000 + b"]" * 100_000),
+    ]:
+        with pytest.raises(FileRefused, match="is not a safetensors file"):
+            safetensors_keys(written(f"{name}.safetensors", header))
+    shouting = tmp_path / "REAL.SAFETENSORS"
+    shouting.write_bytes(real.read_bytes())
+    with pytest.raises(ModelLoadError, match="name ends in .safetensors"):
+        _checked_file(str(shouting))  # diffusers would read it with torch.load
