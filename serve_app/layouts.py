@@ -28,10 +28,15 @@ LAYOUTS = {
     "sd3": ("SD3", "StableDiffusion3Pipeline"),
     "flux": ("FLUX", "FluxPipeline"),
 }
-LOADABLE = ("sd1",)
+LOADABLE = ("sd1", "sdxl")
 # The parts a loadable layout's file holds, by the prefix of their tensor names.
-PARTS = {"sd1": {"UNet": "model.diffusion_model.", "VAE": "first_stage_model.",
-                 "text encoder": "cond_stage_model.transformer."}}  # fmt: skip
+PARTS = {
+    "sd1": {"UNet": "model.diffusion_model.", "VAE": "first_stage_model.",
+            "text encoder": "cond_stage_model.transformer."},
+    "sdxl": {"UNet": "model.diffusion_model.", "VAE": "first_stage_model.",
+             "text encoder": "conditioner.embedders.0.transformer.",
+             "second text encoder": "conditioner.embedders.1.model."},
+}  # fmt: skip
 
 
 class FileRefused(ValueError):
@@ -125,8 +130,9 @@ def loadable_layout(keys: list[str]) -> str:
     layout = checkpoint_layout(keys)
     if layout not in LOADABLE:
         raise FileRefused(
-            f"is {describe_layout(keys)}; single files are loaded in the {LAYOUTS['sd1'][0]} "
-            "layout only (give a diffusers directory for other models)"
+            f"is {describe_layout(keys)}; single files are loaded in the "
+            + " and ".join(LAYOUTS[name][0] for name in LOADABLE)
+            + " layouts only (give a diffusers directory for other models)"
         )
     if (why := missing_part(layout, keys)) is not None:
         raise FileRefused(why)

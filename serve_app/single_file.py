@@ -2,12 +2,15 @@
 of the single-file checkpoints A1111, ComfyUI and model sites share:
 
     python -m serve_app.single_file builtin:tiny-sd tiny-sd.safetensors
-    python -m serve_app.single_file ./my-sd15-pipeline my-sd15.safetensors
+    python -m serve_app.single_file ./my-sdxl-pipeline my-sdxl.safetensors
 
-Stable Diffusion 1.x pipelines only: the UNet under `model.diffusion_model.`, the VAE under
-`first_stage_model.`, the CLIP text encoder under `cond_stage_model.transformer.`. The file
-loads back with diffusers' `from_single_file` to the same weights (tests/test_single_file.py
-serves one and compares images), so a twin in this layout stands for a community checkpoint.
+Stable Diffusion 1.x and SDXL pipelines: the UNet under `model.diffusion_model.` (SDXL's size
+embedding as `label_emb`), the VAE under `first_stage_model.`; SD 1.x's CLIP text encoder under
+`cond_stage_model.transformer.`, SDXL's first under `conditioner.embedders.0.transformer.` and
+its second (OpenCLIP's layout: fused attention projections, `resblocks`, a transposed
+projection) under `conditioner.embedders.1.model.`. The file loads back with diffusers'
+`from_single_file` to the same weights (tests/test_single_file.py serves one and compares
+images), so a twin in this layout stands for a community checkpoint.
 """
 
 from __future__ import annotations
@@ -18,12 +21,15 @@ from pathlib import Path
 import torch
 
 UNET, VAE, TEXT = "model.diffusion_model.", "first_stage_model.", "cond_stage_model.transformer."
+SDXL_TEXT, SDXL_TEXT_2 = "conditioner.embedders.0.transformer.", "conditioner.embedders.1.model."
 
 # A UNet resnet's parts: diffusers' name -> the original's.
 _RESNET = {"norm1": "in_layers.0", "conv1": "in_layers.2", "norm2": "out_layers.0", "conv2": "out_layers.3",
            "time_emb_proj": "emb_layers.1", "conv_shortcut": "skip_connection"}  # fmt: skip
 _UNET_TOP = {"time_embedding.linear_1": "time_embed.0", "time_embedding.linear_2": "time_embed.2",
-             "conv_in": "input_blocks.0.0", "conv_norm_out": "out.0", "conv_out": "out.2"}  # fmt: skip
+             "conv_in": "input_blocks.0.0", "conv_norm_out": "out.0", "conv_out": "out.2",
+             "add_embedding.linear_1": "label_emb.0.0",
+             "add_embedding.linear_2": "label_emb.0.2"}  # fmt: skip
 # A VAE attention's parts (1x1 convolutions in the original).
 _VAE_ATTENTION = {"group_norm": "norm", "to_q": "q", "to_k": "k", "to_v": "v", "to_out.0": "proj_out"}
 _VAE_TOP = {"conv_norm_out": "norm_out"}
@@ -109,22 +115,62 @@ def vae_to_original(state: dict[str, torch.Tensor], num_blocks: int) -> dict[str
     return out
 
 
-def text_encoder_to_original(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def text_encoder_to_original(state: dict[str, torch.Tensor], prefix: str = TEXT) -> dict[str, torch.Tensor]:
     """A transformers `CLIPTextModel` state dict under the original prefix (with its
     `text_model.` level, which newer transformers versions leave out)."""
     return {
-        TEXT + (key if key.startswith("text_model.") else "text_model." + key): value
+        prefix + (key if key.startswith("text_model.") else "text_model." + key): value
         for key, value in state.items()
     }
 
 
+# An OpenCLIP text transformer's names for a CLIP layer's parts.
+_OPEN_CLIP_LAYER = {"layer_norm1": "ln_1", "layer_norm2": "ln_2", "mlp.fc1": "mlp.c_fc",
+                    "mlp.fc2": "mlp.c_proj", "self_attn.out_proj": "attn.out_proj"}  # fmt: skip
+_OPEN_CLIP_TOP = {"embeddings.position_embedding.weight": "positional_embedding",
+                  "embeddings.token_embedding.weight": "token_embedding.weight",
+                  "final_layer_norm.weight": "ln_final.weight",
+                  "final_layer_norm.bias": "ln_final.bias"}  # fmt: skip
+
+
+def open_clip_to_original(
+    state: dict[str, torch.Tensor], prefix: str = SDXL_TEXT_2
+) -> dict[str, torch.Tensor]:
+    """A transformers `CLIPTextModelWithProjection` state dict in OpenCLIP's layout (SDXL's
+    second text encoder): each layer's q, k and v projections as one `in_proj`, the
+    projection transposed (OpenCLIP multiplies by it from the right)."""
+    out, fused = {}, {}
+    for key, value in state.items():
+        key = key.removeprefix("text_model.")
+        if key == "text_projection.weight":
+            out[prefix + "text_projection"] = value.T
+        elif key in _OPEN_CLIP_TOP:
+            out[prefix + _OPEN_CLIP_TOP[key]] = value
+        elif key.startswith("encoder.layers."):
+            layer, inner = key.removeprefix("encoder.layers.").split(".", 1)
+            where = f"{prefix}transformer.resblocks.{layer}."
+            if inner.startswith(("self_attn.q_proj.", "self_attn.k_proj.", "self_attn.v_proj.")):
+                fused[(where, inner.rsplit(".", 1)[1], inner.split(".")[1][0])] = value  # weight|bias, q|k|v
+            else:
+                out[where + _rename(inner, _OPEN_CLIP_LAYER)] = value
+    for (where, kind, part), value in fused.items():
+        if part == "q":
+            out[f"{where}attn.in_proj_{kind}"] = torch.cat([value, *(fused[(where, kind, p)] for p in "kv")])
+    return out
+
+
 def pipeline_to_original(pipe) -> dict[str, torch.Tensor]:
-    """Every weight of a Stable Diffusion 1.x pipeline, in one original-layout state dict."""
-    if type(pipe).__name__ not in ("StableDiffusionPipeline",) or getattr(pipe, "text_encoder_2", None):
-        raise ValueError(f"only Stable Diffusion 1.x pipelines are written; this is a {type(pipe).__name__}")
+    """Every weight of a Stable Diffusion 1.x or SDXL pipeline, in one original-layout state dict."""
+    kind = type(pipe).__name__
+    if kind not in ("StableDiffusionPipeline", "StableDiffusionXLPipeline"):
+        raise ValueError(f"only Stable Diffusion 1.x and SDXL pipelines are written; this is a {kind}")
     state = unet_to_original(pipe.unet.state_dict(), pipe.unet.config.layers_per_block)
     state.update(vae_to_original(pipe.vae.state_dict(), len(pipe.vae.config.down_block_types)))
-    state.update(text_encoder_to_original(pipe.text_encoder.state_dict()))
+    if kind == "StableDiffusionXLPipeline":
+        state.update(text_encoder_to_original(pipe.text_encoder.state_dict(), SDXL_TEXT))
+        state.update(open_clip_to_original(pipe.text_encoder_2.state_dict()))
+    else:
+        state.update(text_encoder_to_original(pipe.text_encoder.state_dict()))
     return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
 
 

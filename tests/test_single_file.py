@@ -1,5 +1,5 @@
-"""Single-file checkpoints in the original (A1111/ComfyUI) Stable Diffusion 1.x layout: the
-embedded twin written as one file (`python -m serve_app.single_file`) loads back through
+"""Single-file checkpoints in the original (A1111/ComfyUI) Stable Diffusion 1.x and SDXL
+layouts: each embedded twin written as one file (`python -m serve_app.single_file`) loads back through
 diffusers' `from_single_file`, its configs from `model.pipeline_config` (an embedded model's or
 a local diffusers directory, nothing downloaded), and makes the twin's images; files that are
 cut short, pickles, of another layout or incomplete fail the start naming the file; served
@@ -32,12 +32,14 @@ PROMPT = "a red circle"
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """The twin (seed 0, written by the command line) and one of other weights (seed 1) in the
-    original layout, and the bad files: cut short, a pickle under the name, a file of no
-    checkpoint layout, an SDXL-layout header, one without its VAE, a `.ckpt`."""
+    """The twins (seed 0, written by the command line) and ones of other weights (seed 1) in
+    the original layout, and the bad files: cut short, a pickle under the name, a file of no
+    checkpoint layout, headers of the layouts not loaded, ones without a part or half of one,
+    a `.ckpt`."""
     root = tmp_path_factory.mktemp("single-file")
-    write_main(["builtin:tiny-sd", str(root / "tiny-sd.safetensors")])
-    write_single_file(build_builtin("tiny-sd", seed=1), root / "tiny-sd-1.safetensors")
+    for name in ("tiny-sd", "tiny-sdxl"):
+        write_main([f"builtin:{name}", str(root / f"{name}.safetensors")])
+        write_single_file(build_builtin(name, seed=1), root / f"{name}-1.safetensors")
     good = (root / "tiny-sd.safetensors").read_bytes()
     (root / "cut.safetensors").write_bytes(good[: len(good) // 2])
     torch.save({"weight": torch.zeros(2)}, root / "pickle.safetensors")
@@ -45,7 +47,6 @@ def files(tmp_path_factory):
     save_file(build_builtin("tiny-sd").unet.state_dict(), str(root / "unet-only.safetensors"))
     unet = "model.diffusion_model."
     for name, keys in (  # headers of the other layouts
-        ("sdxl", [unet + "input_blocks.0.0.weight", "conditioner.embedders.1.model.ln_final.weight"]),
         ("sd2", [unet + "input_blocks.0.0.weight", "cond_stage_model.model.ln_final.weight"]),
         ("sd3", [unet + "joint_blocks.0.x_block.attn.qkv.weight"]),
         ("flux", ["double_blocks.0.img_attn.qkv.weight"]),
@@ -60,6 +61,12 @@ def files(tmp_path_factory):
     save_file(
         {k: v for k, v in state.items() if not k.startswith(layer)}, str(root / "half-text.safetensors")
     )
+    xl = load_file(str(root / "tiny-sdxl.safetensors"))
+    second = "conditioner.embedders.1.model."
+    save_file({k: v for k, v in xl.items() if not k.startswith(second)},
+              str(root / "xl-no-text-2.safetensors"))  # fmt: skip
+    save_file({k: v for k, v in xl.items() if not k.startswith(second + "transformer.resblocks.1.")},
+              str(root / "xl-half-text-2.safetensors"))  # fmt: skip
     build_builtin("tiny-sd").save_pretrained(root / "tiny-sd-diffusers", safe_serialization=True)
     return root
 
@@ -80,23 +87,32 @@ def pixels(e: DiffusionEngine, seed: int = 1) -> np.ndarray:
     return np.asarray(e.run([Row(PROMPT, None, seed)], params).images[0]).astype(int)
 
 
-@pytest.mark.parametrize("config", ["builtin:tiny-sd", "directory"])
-def test_a_single_file_makes_the_images_of_the_pipeline_it_was_written_from(files, engines, config):
+@pytest.mark.parametrize(
+    "name, config",
+    [("tiny-sd", "builtin:tiny-sd"), ("tiny-sd", "directory"), ("tiny-sdxl", "builtin:tiny-sdxl")],
+)
+def test_a_single_file_makes_the_images_of_the_pipeline_it_was_written_from(files, engines, name, config):
     """Its weights come from the file (the seed-1 twin's, whatever the config directory holds)
-    and its configs, tokenizer and scheduler from the config: the same images, pixel for pixel."""
-    assert checkpoint_layout(list(load_file(str(files / "tiny-sd.safetensors")))) == "sd1"
+    and its configs, tokenizers and scheduler from the config: the same images, pixel for
+    pixel. SDXL's two text encoders are as wide as each other here, so each is found by its
+    prefix, not by its width."""
+    layout = {"tiny-sd": "sd1", "tiny-sdxl": "sdxl"}[name]
+    assert checkpoint_layout(list(load_file(str(files / f"{name}.safetensors")))) == layout
     pipeline_config = str(files / "tiny-sd-diffusers") if config == "directory" else config
     twin, other = (
-        engine(files / "tiny-sd.safetensors", pipeline_config),
-        engine(files / "tiny-sd-1.safetensors", pipeline_config),
+        engine(files / f"{name}.safetensors", pipeline_config),
+        engine(files / f"{name}-1.safetensors", pipeline_config),
     )
-    seed1 = DiffusionEngine(ModelConfig(source="builtin:tiny-sd", seed=1, device="cpu", warmup=False))
+    seed1 = DiffusionEngine(ModelConfig(source=f"builtin:{name}", seed=1, device="cpu", warmup=False))
     try:
-        assert twin.model_name == "tiny-sd" and twin.describe()["family"] == "sd"
-        for name in ("unet", "vae", "text_encoder"):
-            mine, built = getattr(other.pipe, name).state_dict(), getattr(seed1.pipe, name).state_dict()
-            assert mine.keys() == built.keys() and all(torch.equal(mine[k], built[k]) for k in mine), name
-        assert (pixels(twin) == pixels(engines("tiny-sd"))).all()
+        assert twin.model_name == name
+        assert twin.describe()["family"] == engines(name).describe()["family"]
+        parts = [n for n in ("unet", "vae", "text_encoder", "text_encoder_2") if getattr(seed1.pipe, n, None)]
+        assert len(parts) == {"sd1": 3, "sdxl": 4}[layout]
+        for part in parts:
+            mine, built = getattr(other.pipe, part).state_dict(), getattr(seed1.pipe, part).state_dict()
+            assert mine.keys() == built.keys() and all(torch.equal(mine[k], built[k]) for k in mine), part
+        assert (pixels(twin) == pixels(engines(name))).all()
         assert (pixels(other) == pixels(seed1)).all()
         assert np.abs(pixels(other) - pixels(twin)).max() > 20  # the file's weights, not the config's
     finally:
@@ -110,8 +126,12 @@ def test_a_single_file_makes_the_images_of_the_pipeline_it_was_written_from(file
         ("cut.safetensors", None, "is cut short"),
         ("pickle.safetensors", None, "holds a pickle"),
         ("unet-only.safetensors", None, "of no checkpoint layout this server knows"),
-        ("sdxl.safetensors", None, "is a checkpoint in the SDXL layout; single files are loaded in the"),
-        ("sd2.safetensors", None, "is a checkpoint in the Stable Diffusion 2.x layout; single files"),
+        (
+            "sd2.safetensors",
+            None,
+            "is a checkpoint in the Stable Diffusion 2.x layout; single files are "
+            "loaded in the Stable Diffusion 1.x and SDXL layouts only",
+        ),
         ("sd3.safetensors", None, "is a checkpoint in the SD3 layout; single files"),
         ("flux.safetensors", None, "is a checkpoint in the FLUX layout; single files"),
         ("no-vae.safetensors", None, "holds no VAE weights (no first_stage_model.* tensors)"),
@@ -119,6 +139,9 @@ def test_a_single_file_makes_the_images_of_the_pipeline_it_was_written_from(file
         ("half-text.safetensors", None, "lacks 16 weights of the text_encoder (e.g. encoder.layers.1."),
         ("missing.safetensors", None, "no checkpoint file at"),
         ("tiny-sd.safetensors", "builtin:tiny-sdxl", "describes a StableDiffusionXLPipeline"),
+        ("tiny-sdxl.safetensors", "builtin:tiny-sd", "describes a StableDiffusionPipeline"),
+        ("xl-no-text-2.safetensors", "builtin:tiny-sdxl", "holds no second text encoder weights"),
+        ("xl-half-text-2.safetensors", "builtin:tiny-sdxl", "lacks 16 weights of the text_encoder_2 (e.g. "),
         ("tiny-sd.safetensors", "not-a-pipeline", "is not a local diffusers pipeline directory"),
     ],
 )
@@ -188,8 +211,9 @@ def test_single_files_are_served_as_the_model_and_as_a_pools_checkpoints(
         ("pickle.safetensors", "'pickle.safetensors' holds a pickle"),
         ("old.ckpt", "'old.ckpt' is a pickle checkpoint"),
         ("unet-only.safetensors", "'unet-only.safetensors' is of no checkpoint layout"),
-        ("sdxl.safetensors", "'sdxl.safetensors' is a checkpoint in the SDXL layout; single files are loaded"),
+        ("sd3.safetensors", "'sd3.safetensors' is a checkpoint in the SD3 layout; single files are loaded"),
         ("no-vae.safetensors", "'no-vae.safetensors' holds no VAE weights"),
+        ("tiny-sdxl.safetensors", "a StableDiffusionXLPipeline (sdxl); pool 'tiny-sd' serves sd checkpoints"),
         (
             "half-vae.safetensors",
             "'half-vae.safetensors' lacks weights of the vae",
@@ -205,6 +229,27 @@ def test_single_files_are_served_as_the_model_and_as_a_pools_checkpoints(
     listed = {c["name"] for c in client.get(f"{prefix}/v1/checkpoints").json()["checkpoints"]}
     assert listed == {"one"}
     assert json.loads((tmp_path / "checkpoints.json").read_text()).keys() == {"one"}
+
+
+def test_an_sdxl_single_file_is_served_with_its_twins_image(files, app_factory, client, tmp_path):
+    """An SDXL file as the app's model makes the SDXL twin's image over HTTP."""
+    prefix = app_factory(
+        "single-file-xl",
+        model={"source": str(files / "tiny-sdxl.safetensors"), "pipeline_config": "builtin:tiny-sdxl"},
+    )
+    body = {"prompt": PROMPT, "seed": 1, "size": "32x32", "num_inference_steps": 3, "guidance_scale": 5.0}
+    served = png(client.post(f"{prefix}/v1/images/generations", json=body))
+    models = client.get(f"{prefix}/v1/models").json()["data"]
+    assert [(m["id"], m["family"]) for m in models] == [("tiny-sdxl", "sdxl")], models
+    threads = torch.get_num_threads()
+    twin = DiffusionEngine(ModelConfig(source="builtin:tiny-sdxl", device="cpu", warmup=False, cpu_threads=1))
+    try:
+        params = CallParams(height=32, width=32, steps=3, guidance_scale=5.0)
+        built = np.asarray(twin.run([Row(PROMPT, None, 1)], params).images[0]).astype(int)
+        assert served.shape == built.shape and np.abs(served - built).max() <= 3
+    finally:
+        twin.close()
+        torch.set_num_threads(threads)
 
 
 def test_a_pools_checkpoint_file_takes_its_configs_from_the_pools_model(files, tmp_path):

@@ -71,7 +71,7 @@ class ModelConfig(_Strict):
     source: str = Field(
         "builtin:tiny-sd",
         description="`builtin:<name>`, a local diffusers directory, a Hugging Face hub id, or one "
-        "`.safetensors` checkpoint file in the original (A1111/ComfyUI) Stable Diffusion 1.x layout.",
+        "`.safetensors` checkpoint file in the original (A1111/ComfyUI) Stable Diffusion 1.x or SDXL layout.",
     )
     pipeline_config: str | None = Field(
         None,

@@ -1,6 +1,8 @@
 """A pipeline from one checkpoint file in the original layout: the single `.safetensors` file of
-A1111, ComfyUI and model sites, which holds the UNet, VAE and text encoder of Stable Diffusion
-1.x under their original names. diffusers' `from_single_file` converts the weights; nothing is
+A1111, ComfyUI and model sites, which holds the UNet, VAE and text encoders of Stable Diffusion
+1.x or SDXL under their original names. diffusers' `from_single_file` and its converters turn
+the weights into diffusers' (each text encoder by the prefix its layout puts it under, where
+diffusers would guess by width and take the wrong one when two encoders are equally wide); nothing is
 downloaded: the pipeline's configs (component configs, tokenizer, scheduler) come from
 `model.pipeline_config`, a local diffusers directory or an embedded model's, written out here
 once per process.
@@ -52,7 +54,7 @@ def load_single_file(cfg: ModelConfig, dtype: torch.dtype, reuse: dict[str, Any]
         return str(e).replace(str(config_dir), str(cfg.pipeline_config)).replace(str(path), src)
 
     try:
-        parts = _converted_models(index, path, config_dir, src, reuse or {})
+        parts = _converted_models(index, path, config_dir, src, layout, reuse or {})
         pipe = getattr(diffusers, class_name).from_single_file(
             str(path), config=str(config_dir), local_files_only=True, **parts
         )  # in the file's dtype: a weight it lacks stays on the meta device, found below
@@ -85,18 +87,33 @@ def _checked_file(src: str) -> tuple[Path, list[str], str]:
         raise ModelLoadError(f"{field}: {src!r} {e}") from None
 
 
-def _converted_models(index: dict, path: Path, config_dir: Path, src: str, reuse: dict) -> dict[str, Any]:
-    """`reuse`, and each diffusers model of the pipeline (UNet, VAE) converted from the file
-    one at a time, so that one the file holds only part of is named: diffusers fails such a
-    model as it moves its empty weights."""
+# Where each layout keeps a text encoder: (its layout, the prefix of its tensor names).
+TEXT_ENCODERS = {
+    "sdxl": {"text_encoder": ("clip", "conditioner.embedders.0.transformer."),
+             "text_encoder_2": ("open_clip", "conditioner.embedders.1.model.")},
+}  # fmt: skip
+
+
+def _converted_models(
+    index: dict, path: Path, config_dir: Path, src: str, layout: str, reuse: dict
+) -> dict[str, Any]:
+    """`reuse`, and each diffusers model of the pipeline (UNet, VAE) and the text encoders
+    `TEXT_ENCODERS` places converted from the file one at a time, so that one the file holds
+    only part of is named: diffusers fails such a model as it moves its empty weights."""
     import diffusers
     from diffusers.loaders.single_file_model import FromOriginalModelMixin
     from safetensors.torch import load_file
 
     out, state = dict(reuse), None
     for name, kind in index.items():
-        cls = getattr(diffusers, kind[1], None) if isinstance(kind, list) and kind[0] == "diffusers" else None
-        if name in out or not (isinstance(cls, type) and issubclass(cls, FromOriginalModelMixin)):
+        if name in out or not isinstance(kind, list) or kind[1] is None:
+            continue
+        if name in TEXT_ENCODERS.get(layout, {}):
+            state = load_file(str(path)) if state is None else state
+            out[name] = _text_encoder(kind, state, config_dir, name, TEXT_ENCODERS[layout][name], src)
+            continue
+        cls = getattr(diffusers, kind[1], None) if kind[0] == "diffusers" else None
+        if not (isinstance(cls, type) and issubclass(cls, FromOriginalModelMixin)):
             continue
         state = load_file(str(path)) if state is None else state
         try:
@@ -111,6 +128,35 @@ def _converted_models(index: dict, path: Path, config_dir: Path, src: str, reuse
                 "not a whole checkpoint"
             ) from None
     return out
+
+
+def _text_encoder(kind: list, state: dict, config_dir: Path, name: str, where: tuple[str, str], src: str):
+    """The transformers text encoder `name` from the file's tensors under `where`'s prefix,
+    converted by diffusers' converter for its layout; ModelLoadError if any weight is absent."""
+    import transformers
+    from diffusers.loaders.single_file_utils import convert_ldm_clip_checkpoint, convert_open_clip_checkpoint
+
+    layout, prefix = where
+    cls = getattr(transformers, kind[1])
+    config = cls.config_class.from_pretrained(config_dir / name, local_files_only=True)
+    mine = {k: v for k, v in state.items() if k.startswith(prefix)}
+    if layout == "open_clip":
+        with torch.device("meta"):  # the converter reads only the model's config
+            weights = convert_open_clip_checkpoint(cls(config), mine, prefix=prefix)
+    else:
+        weights = convert_ldm_clip_checkpoint(mine, prefix)
+    with torch.device("meta"):
+        has_wrapper = hasattr(cls(config), "text_model")
+    if not has_wrapper:  # transformers 5.6 flattened CLIPTextModel
+        weights = {k.removeprefix("text_model."): v for k, v in weights.items()}
+    model, info = cls.from_pretrained(None, config=config, state_dict=weights, output_loading_info=True)
+    if info["missing_keys"]:
+        missing = sorted(info["missing_keys"])
+        raise ModelLoadError(
+            f"model.source: {src!r} lacks {len(missing)} weights of the {name} (e.g. {missing[0]}); "
+            "not a whole checkpoint"
+        )
+    return model.eval()
 
 
 def _check_complete(pipe, src: str, layout: str) -> None:
