@@ -3,7 +3,7 @@ family and the persisted registry. No torch or diffusers here: the ingress impor
 
 A checkpoint is a diffusers pipeline directory (`model_index.json` and its component folders)
 under one of the allowed roots, holding only safetensors weights, a single-file checkpoint there
-(one `.safetensors` file in the original Stable Diffusion 1.x or SDXL layout, configured like the
+(one `.safetensors` file in the original Stable Diffusion 1.x, SDXL or FLUX layout, configured like the
 pool's own model: `model.pipeline_config`, else its source), or, where the hub is allowed, a
 hub id (`org/name`) that the replica downloads when it loads it. The registry (name ->
 source, pool, family, pinned) is a JSON file written atomically under a lock, as the adapter

@@ -28,7 +28,7 @@ LAYOUTS = {
     "sd3": ("SD3", "StableDiffusion3Pipeline"),
     "flux": ("FLUX", "FluxPipeline"),
 }
-LOADABLE = ("sd1", "sdxl")
+LOADABLE = ("sd1", "sdxl", "flux")
 # The parts a loadable layout's file holds, by the prefix of their tensor names.
 PARTS = {
     "sd1": {"UNet": "model.diffusion_model.", "VAE": "first_stage_model.",
@@ -131,7 +131,7 @@ def loadable_layout(keys: list[str]) -> str:
     if layout not in LOADABLE:
         raise FileRefused(
             f"is {describe_layout(keys)}; single files are loaded in the "
-            + " and ".join(LAYOUTS[name][0] for name in LOADABLE)
+            + ", ".join(LAYOUTS[name][0] for name in LOADABLE)
             + " layouts only (give a diffusers directory for other models)"
         )
     if (why := missing_part(layout, keys)) is not None:

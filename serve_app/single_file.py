@@ -10,7 +10,8 @@ embedding as `label_emb`), the VAE under `first_stage_model.`; SD 1.x's CLIP tex
 its second (OpenCLIP's layout: fused attention projections, `resblocks`, a transposed
 projection) under `conditioner.embedders.1.model.`. The file loads back with diffusers'
 `from_single_file` to the same weights (tests/test_single_file.py serves one and compares
-images), so a twin in this layout stands for a community checkpoint.
+images), so a twin in this layout stands for a community checkpoint. For FLUX, the transformer
+alone in Black Forest Labs' layout (`double_blocks`, `single_blocks`; engine/flux_file.py).
 """
 
 from __future__ import annotations
@@ -160,10 +161,18 @@ def open_clip_to_original(
 
 
 def pipeline_to_original(pipe) -> dict[str, torch.Tensor]:
-    """Every weight of a Stable Diffusion 1.x or SDXL pipeline, in one original-layout state dict."""
+    """Every weight of a Stable Diffusion 1.x or SDXL pipeline, or a FLUX pipeline's transformer,
+    in one original-layout state dict."""
     kind = type(pipe).__name__
+    if kind.startswith("Flux"):  # the transformer alone, unprefixed, as FLUX's makers share it
+        from serve_app.engine.flux_file import flux_to_original
+
+        return {
+            k: v.detach().to("cpu").contiguous()
+            for k, v in flux_to_original(pipe.transformer.state_dict()).items()
+        }
     if kind not in ("StableDiffusionPipeline", "StableDiffusionXLPipeline"):
-        raise ValueError(f"only Stable Diffusion 1.x and SDXL pipelines are written; this is a {kind}")
+        raise ValueError(f"only Stable Diffusion 1.x, SDXL and FLUX pipelines are written; this is a {kind}")
     state = unet_to_original(pipe.unet.state_dict(), pipe.unet.config.layers_per_block)
     state.update(vae_to_original(pipe.vae.state_dict(), len(pipe.vae.config.down_block_types)))
     if kind == "StableDiffusionXLPipeline":

@@ -25,7 +25,8 @@ from serve_app.engine.builtin import build_builtin
 from serve_app.layouts import checkpoint_layout
 from serve_app.single_file import main as write_main
 from serve_app.single_file import write_single_file
-from tests.conftest import engine_cache
+from tests.conftest import app_args, engine_cache
+from tests.conftest import deploy as deploy_app
 
 PROMPT = "a red circle"
 
@@ -37,7 +38,7 @@ def files(tmp_path_factory):
     checkpoint layout, headers of the layouts not loaded, ones without a part or half of one,
     a `.ckpt`."""
     root = tmp_path_factory.mktemp("single-file")
-    for name in ("tiny-sd", "tiny-sdxl"):
+    for name in ("tiny-sd", "tiny-sdxl", "tiny-flux"):
         write_main([f"builtin:{name}", str(root / f"{name}.safetensors")])
         write_single_file(build_builtin(name, seed=1), root / f"{name}-1.safetensors")
     good = (root / "tiny-sd.safetensors").read_bytes()
@@ -49,7 +50,6 @@ def files(tmp_path_factory):
     for name, keys in (  # headers of the other layouts
         ("sd2", [unet + "input_blocks.0.0.weight", "cond_stage_model.model.ln_final.weight"]),
         ("sd3", [unet + "joint_blocks.0.x_block.attn.qkv.weight"]),
-        ("flux", ["double_blocks.0.img_attn.qkv.weight"]),
     ):
         save_file({k: torch.zeros(1) for k in keys}, str(root / f"{name}.safetensors"))
     state = load_file(str(root / "tiny-sd.safetensors"))
@@ -67,6 +67,16 @@ def files(tmp_path_factory):
               str(root / "xl-no-text-2.safetensors"))  # fmt: skip
     save_file({k: v for k, v in xl.items() if not k.startswith(second + "transformer.resblocks.1.")},
               str(root / "xl-half-text-2.safetensors"))  # fmt: skip
+    flux = load_file(str(root / "tiny-flux.safetensors"))  # BFL's layout: unprefixed
+    save_file({"model.diffusion_model." + k: v for k, v in flux.items()}  # ComfyUI's, with its other parts
+              | {"vae.decoder.conv_in.weight": torch.zeros(1),
+                 "text_encoders.clip_l.logit_scale": torch.zeros(1)},
+              str(root / "comfy-flux.safetensors"))  # fmt: skip
+    save_file({k: v.to(torch.float8_e4m3fn) for k, v in flux.items()}, str(root / "fp8-flux.safetensors"))
+    save_file({k: v for k, v in flux.items() if not k.startswith("single_blocks.")},
+              str(root / "flux-no-single.safetensors"))  # fmt: skip
+    save_file({"double_blocks.0.img_attn.qkv.weight": torch.zeros(1)}, str(root / "flux-header.safetensors"))
+    build_builtin("tiny-flux").save_pretrained(root / "tiny-flux-diffusers", safe_serialization=True)
     build_builtin("tiny-sd").save_pretrained(root / "tiny-sd-diffusers", safe_serialization=True)
     return root
 
@@ -83,22 +93,26 @@ def engine(source, pipeline_config="builtin:tiny-sd", **kw) -> DiffusionEngine:
 
 
 def pixels(e: DiffusionEngine, seed: int = 1) -> np.ndarray:
-    params = CallParams(height=32, width=32, steps=3, guidance_scale=7.5)
+    params = CallParams(
+        height=32, width=32, steps=3, guidance_scale=3.5 if e.describe()["family"] == "flux" else 7.5
+    )
     return np.asarray(e.run([Row(PROMPT, None, seed)], params).images[0]).astype(int)
 
 
 @pytest.mark.parametrize(
     "name, config",
-    [("tiny-sd", "builtin:tiny-sd"), ("tiny-sd", "directory"), ("tiny-sdxl", "builtin:tiny-sdxl")],
-)
+    [("tiny-sd", "builtin:tiny-sd"), ("tiny-sd", "directory"), ("tiny-sdxl", "builtin:tiny-sdxl"),
+     ("tiny-flux", "builtin:tiny-flux"), ("tiny-flux", "directory")],
+)  # fmt: skip
 def test_a_single_file_makes_the_images_of_the_pipeline_it_was_written_from(files, engines, name, config):
     """Its weights come from the file (the seed-1 twin's, whatever the config directory holds)
     and its configs, tokenizers and scheduler from the config: the same images, pixel for
     pixel. SDXL's two text encoders are as wide as each other here, so each is found by its
-    prefix, not by its width."""
-    layout = {"tiny-sd": "sd1", "tiny-sdxl": "sdxl"}[name]
+    prefix, not by its width. A FLUX file holds the transformer alone, at a width diffusers'
+    converter cannot read; the other parts are the config's."""
+    layout = {"tiny-sd": "sd1", "tiny-sdxl": "sdxl", "tiny-flux": "flux"}[name]
     assert checkpoint_layout(list(load_file(str(files / f"{name}.safetensors")))) == layout
-    pipeline_config = str(files / "tiny-sd-diffusers") if config == "directory" else config
+    pipeline_config = str(files / f"{name}-diffusers") if config == "directory" else config
     twin, other = (
         engine(files / f"{name}.safetensors", pipeline_config),
         engine(files / f"{name}-1.safetensors", pipeline_config),
@@ -107,13 +121,15 @@ def test_a_single_file_makes_the_images_of_the_pipeline_it_was_written_from(file
     try:
         assert twin.model_name == name
         assert twin.describe()["family"] == engines(name).describe()["family"]
-        parts = [n for n in ("unet", "vae", "text_encoder", "text_encoder_2") if getattr(seed1.pipe, n, None)]
-        assert len(parts) == {"sd1": 3, "sdxl": 4}[layout]
+        names = ("transformer",) if layout == "flux" else ("unet", "vae", "text_encoder", "text_encoder_2")
+        parts = [n for n in names if getattr(seed1.pipe, n, None)]
+        assert len(parts) == {"sd1": 3, "sdxl": 4, "flux": 1}[layout]
         for part in parts:
             mine, built = getattr(other.pipe, part).state_dict(), getattr(seed1.pipe, part).state_dict()
             assert mine.keys() == built.keys() and all(torch.equal(mine[k], built[k]) for k in mine), part
         assert (pixels(twin) == pixels(engines(name))).all()
-        assert (pixels(other) == pixels(seed1)).all()
+        if layout != "flux":  # (a FLUX file's other parts are the config's, not the seed-1 twin's)
+            assert (pixels(other) == pixels(seed1)).all()
         assert np.abs(pixels(other) - pixels(twin)).max() > 20  # the file's weights, not the config's
     finally:
         for e in (twin, other, seed1):
@@ -130,10 +146,16 @@ def test_a_single_file_makes_the_images_of_the_pipeline_it_was_written_from(file
             "sd2.safetensors",
             None,
             "is a checkpoint in the Stable Diffusion 2.x layout; single files are "
-            "loaded in the Stable Diffusion 1.x and SDXL layouts only",
+            "loaded in the Stable Diffusion 1.x, SDXL, FLUX layouts only",
         ),
         ("sd3.safetensors", None, "is a checkpoint in the SD3 layout; single files"),
-        ("flux.safetensors", None, "is a checkpoint in the FLUX layout; single files"),
+        (
+            "flux-no-single.safetensors",
+            "builtin:tiny-flux",
+            "lacks 14 weights of the transformer (e.g. single_",
+        ),
+        ("flux-header.safetensors", "builtin:tiny-flux", "lacks 66 weights of the transformer"),
+        ("tiny-flux.safetensors", "builtin:tiny-sd", "describes a StableDiffusionPipeline"),
         ("no-vae.safetensors", None, "holds no VAE weights (no first_stage_model.* tensors)"),
         ("half-vae.safetensors", None, "lacks weights of the vae"),
         ("half-text.safetensors", None, "lacks 16 weights of the text_encoder (e.g. encoder.layers.1."),
@@ -231,25 +253,67 @@ def test_single_files_are_served_as_the_model_and_as_a_pools_checkpoints(
     assert json.loads((tmp_path / "checkpoints.json").read_text()).keys() == {"one"}
 
 
-def test_an_sdxl_single_file_is_served_with_its_twins_image(files, app_factory, client, tmp_path):
-    """An SDXL file as the app's model makes the SDXL twin's image over HTTP."""
-    prefix = app_factory(
-        "single-file-xl",
-        model={"source": str(files / "tiny-sdxl.safetensors"), "pipeline_config": "builtin:tiny-sdxl"},
-    )
-    body = {"prompt": PROMPT, "seed": 1, "size": "32x32", "num_inference_steps": 3, "guidance_scale": 5.0}
-    served = png(client.post(f"{prefix}/v1/images/generations", json=body))
-    models = client.get(f"{prefix}/v1/models").json()["data"]
-    assert [(m["id"], m["family"]) for m in models] == [("tiny-sdxl", "sdxl")], models
-    threads = torch.get_num_threads()
-    twin = DiffusionEngine(ModelConfig(source="builtin:tiny-sdxl", device="cpu", warmup=False, cpu_threads=1))
+def test_sdxl_and_flux_single_files_are_served_with_their_twins_images(files, client):
+    """An SDXL file and a FLUX transformer file as two models of one app make their twins'
+    images over HTTP, each listed with its family."""
+    args = app_args()
+    model = {k: v for k, v in args.pop("model").items() if k != "aliases"}  # one model has them
+    args["models"] = [
+        {
+            "model": {
+                **model,
+                "source": str(files / f"{name}.safetensors"),
+                "pipeline_config": f"builtin:{name}",
+            }
+        }
+        for name in ("tiny-sdxl", "tiny-flux")
+    ]
+    from ray import serve
+
+    prefix = deploy_app("single-file-2", args)
     try:
-        params = CallParams(height=32, width=32, steps=3, guidance_scale=5.0)
-        built = np.asarray(twin.run([Row(PROMPT, None, 1)], params).images[0]).astype(int)
-        assert served.shape == built.shape and np.abs(served - built).max() <= 3
+        listed = client.get(f"{prefix}/v1/models").json()["data"]
+        assert sorted((m["id"], m["family"]) for m in listed) == [
+            ("tiny-flux", "flux"),
+            ("tiny-sdxl", "sdxl"),
+        ]
+        threads = torch.get_num_threads()
+        for name, guidance in (("tiny-sdxl", 5.0), ("tiny-flux", 3.5)):
+            body = {"model": name, "prompt": PROMPT, "seed": 1, "size": "32x32", "num_inference_steps": 3}
+            served = png(
+                client.post(f"{prefix}/v1/images/generations", json={**body, "guidance_scale": guidance})
+            )
+            twin = DiffusionEngine(
+                ModelConfig(source=f"builtin:{name}", device="cpu", warmup=False, cpu_threads=1)
+            )
+            try:
+                params = CallParams(height=32, width=32, steps=3, guidance_scale=guidance)
+                built = np.asarray(twin.run([Row(PROMPT, None, 1)], params).images[0]).astype(int)
+                assert served.shape == built.shape and np.abs(served - built).max() <= 3, name
+            finally:
+                twin.close()
+                torch.set_num_threads(threads)
     finally:
-        twin.close()
-        torch.set_num_threads(threads)
+        serve.delete("single-file-2", _blocking=False)
+
+
+def test_a_flux_file_in_comfyuis_layout_or_in_fp8_loads(files, engines):
+    """ComfyUI's FLUX files hold the transformer under `model.diffusion_model.` beside parts of
+    their own (the config's are used); an fp8 file's weights are widened to the model's dtype."""
+    comfy = engine(files / "comfy-flux.safetensors", "builtin:tiny-flux")
+    fp8 = engine(files / "fp8-flux.safetensors", "builtin:tiny-flux")
+    try:
+        assert (pixels(comfy) == pixels(engines("tiny-flux"))).all()
+        mine, twin = fp8.pipe.transformer.state_dict(), engines("tiny-flux").pipe.transformer.state_dict()
+        assert mine.keys() == twin.keys()
+        for k, v in twin.items():
+            assert mine[k].dtype == torch.float32 and torch.equal(
+                mine[k], v.to(torch.float8_e4m3fn).float()
+            ), k
+        assert pixels(fp8).shape == (32, 32, 3)
+    finally:
+        comfy.close()
+        fp8.close()
 
 
 def test_a_pools_checkpoint_file_takes_its_configs_from_the_pools_model(files, tmp_path):
@@ -310,3 +374,24 @@ def test_the_header_check_takes_every_real_file_and_refuses_hostile_headers(tmp_
     shouting.write_bytes(real.read_bytes())
     with pytest.raises(ModelLoadError, match="name ends in .safetensors"):
         _checked_file(str(shouting))  # diffusers would read it with torch.load
+
+
+def test_the_flux_converter_agrees_with_diffusers_at_flux1s_width():
+    """At FLUX.1's width (3072, the only one diffusers' converter reads) ours gives diffusers'
+    names and tensors, and back; the twin's names stand for the full model's (fewer blocks),
+    the tensors one column wide but for the rows the widths are read from."""
+    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
+
+    from serve_app.engine.flux_file import flux_from_original, flux_to_original
+
+    width, g = 3072, torch.Generator().manual_seed(0)
+    names = flux_to_original(build_builtin("tiny-flux").transformer.state_dict())
+    rows = {"linear1": 7 * width, "qkv": 3 * width, "img_in": width}
+    original = {
+        k: torch.randn(next((n for part, n in rows.items() if part in k), 8), 1, generator=g) for k in names
+    }
+    ours = flux_from_original(dict(original))
+    theirs = convert_flux_transformer_checkpoint_to_diffusers(dict(original))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    back = flux_to_original(ours)
+    assert back.keys() == original.keys() and all(torch.equal(back[k], original[k]) for k in back)

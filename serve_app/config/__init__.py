@@ -71,13 +71,15 @@ class ModelConfig(_Strict):
     source: str = Field(
         "builtin:tiny-sd",
         description="`builtin:<name>`, a local diffusers directory, a Hugging Face hub id, or one "
-        "`.safetensors` checkpoint file in the original (A1111/ComfyUI) Stable Diffusion 1.x or SDXL layout.",
+        "`.safetensors` checkpoint file in the original layout: Stable Diffusion 1.x or SDXL "
+        "(A1111/ComfyUI), or a FLUX transformer (BFL/ComfyUI).",
     )
     pipeline_config: str | None = Field(
         None,
         description="For a single-file `source` (and the single-file checkpoints of this model's pool): "
         "where the pipeline's configs come from, never downloaded: a local diffusers pipeline directory "
-        "(model_index.json, component configs, tokenizer, scheduler; its weights are not read) or "
+        "(model_index.json, component configs, tokenizer, scheduler; its weights are not read, but for a "
+        "FLUX transformer file its VAE's and text encoders' are) or "
         "`builtin:<name>`, an embedded model of the same family (e.g. `builtin:tiny-sd`).",
     )
     name: str | None = Field(None, description="Model name served in /v1/models; default from `source`.")

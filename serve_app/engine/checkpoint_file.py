@@ -1,11 +1,11 @@
 """A pipeline from one checkpoint file in the original layout: the single `.safetensors` file of
 A1111, ComfyUI and model sites, which holds the UNet, VAE and text encoders of Stable Diffusion
-1.x or SDXL under their original names. diffusers' `from_single_file` and its converters turn
-the weights into diffusers' (each text encoder by the prefix its layout puts it under, where
-diffusers would guess by width and take the wrong one when two encoders are equally wide); nothing is
-downloaded: the pipeline's configs (component configs, tokenizer, scheduler) come from
-`model.pipeline_config`, a local diffusers directory or an embedded model's, written out here
-once per process.
+1.x or SDXL under their original names, or FLUX's transformer alone (`flux_file.py`).
+diffusers' `from_single_file` and its converters turn the SD weights into diffusers' (each text
+encoder by the prefix its layout puts it under, where diffusers would guess by width and take
+the wrong one when two encoders are equally wide); nothing is downloaded: the pipeline's
+configs (component configs, tokenizer, scheduler) come from `model.pipeline_config`, a local
+diffusers directory or an embedded model's, written out here once per process.
 
 Every refusal is a `ModelLoadError` that names the file (as configured) and says why.
 """
@@ -54,10 +54,13 @@ def load_single_file(cfg: ModelConfig, dtype: torch.dtype, reuse: dict[str, Any]
         return str(e).replace(str(config_dir), str(cfg.pipeline_config)).replace(str(path), src)
 
     try:
-        parts = _converted_models(index, path, config_dir, src, layout, reuse or {})
-        pipe = getattr(diffusers, class_name).from_single_file(
-            str(path), config=str(config_dir), local_files_only=True, **parts
-        )  # in the file's dtype: a weight it lacks stays on the meta device, found below
+        if layout in TRANSFORMER_ONLY:
+            pipe = _around_transformer(cfg, path, config_dir, class_name, src, reuse or {})
+        else:
+            parts = _converted_models(index, path, config_dir, src, layout, reuse or {})
+            pipe = getattr(diffusers, class_name).from_single_file(
+                str(path), config=str(config_dir), local_files_only=True, **parts
+            )  # in the file's dtype: a weight it lacks stays on the meta device, found below
     except ModelLoadError:
         raise
     except Exception as e:  # diffusers raises many types here; all mean "cannot load"
@@ -68,6 +71,45 @@ def load_single_file(cfg: ModelConfig, dtype: torch.dtype, reuse: dict[str, Any]
 
         add_grid_positions(pipe.unet)  # the trained model's positions are part of its code
     return pipe.to(dtype=dtype)
+
+
+# Layouts whose files hold the denoiser alone (FLUX's, as its makers and model sites share it):
+# the pipeline's other parts come with `model.pipeline_config`, weights and all.
+TRANSFORMER_ONLY = ("flux",)
+
+
+def _around_transformer(
+    cfg: ModelConfig, path: Path, config_dir: Path, class_name: str, src: str, reuse: dict
+):
+    """The pipeline of `model.pipeline_config` (an embedded model built from `model.seed`, or a
+    local diffusers directory's weights) with its transformer read from the file."""
+    import diffusers
+    from safetensors.torch import load_file
+
+    from serve_app.engine.flux_file import flux_from_original
+
+    cls = diffusers.FluxTransformer2DModel
+    with torch.device("meta"):
+        transformer = cls.from_config(cls.load_config(config_dir / "transformer"))
+    try:
+        weights = flux_from_original(load_file(str(path)))
+    except KeyError:  # no img_in: nothing the transformer's widths can be read from
+        weights = {}
+    missing = transformer.load_state_dict(weights, strict=False, assign=True).missing_keys
+    if missing:
+        raise ModelLoadError(
+            f"model.source: {src!r} lacks {len(missing)} weights of the transformer "
+            f"(e.g. {sorted(missing)[0]}); not a whole FLUX transformer"
+        )
+    parts = {**reuse, "transformer": transformer.eval()}
+    setting = cfg.pipeline_config or ""
+    if setting.startswith(BUILTIN_PREFIX):
+        from serve_app.engine.builtin import build_builtin
+
+        pipe = build_builtin(setting[len(BUILTIN_PREFIX) :], seed=cfg.seed)
+        pipe.register_modules(**parts)
+        return pipe
+    return getattr(diffusers, class_name).from_pretrained(config_dir, local_files_only=True, **parts)
 
 
 def _checked_file(src: str) -> tuple[Path, list[str], str]:

@@ -111,8 +111,8 @@ class CheckpointAdd(_Wire):
     source: str = Field(
         max_length=4096,
         description="A diffusers directory (safetensors weights) or a single-file checkpoint (one "
-        ".safetensors file, Stable Diffusion 1.x or SDXL layout) inside checkpoints.allowed_roots, or a "
-        "hub id where checkpoints.allow_hub is on.",
+        ".safetensors file, Stable Diffusion 1.x, SDXL or FLUX layout) inside "
+        "checkpoints.allowed_roots, or a hub id where checkpoints.allow_hub is on.",
     )
     pool: str | None = Field(None, max_length=256, description="The pool model; default: the only pool.")
     pinned: bool = False
