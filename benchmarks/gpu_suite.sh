@@ -8,6 +8,7 @@
 # offline wheelhouse here first and carry it over (see README, "Benchmarks on a GPU"):
 #   ../shared/tools/gpu-wheelhouse.sh .whl 'ray[serve]==2.60.0' 'diffusers==0.42.1'
 #   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+#   chmod -R a+x /tmp/site/ray/core     # the slimmed wheel loses the execute bits of Ray's binaries
 #   export PYTHONPATH=/tmp/site:$PWD
 # A CPU smoke run of the same script (checks that it runs, not the figures):
 #   MODEL_ARGS="--model builtin:tiny-sd --device cpu" CACHE_MODELS=builtin:tiny-sd SIZE=32 STEPS=2 bash benchmarks/gpu_suite.sh /tmp/suite
@@ -25,6 +26,7 @@ cat "$out/host.txt"
 
 run() {  # run NAME LIMIT_S SCRIPT ARGS...: its output to NAME.log, its tail here
     local name=$1 limit=$2; shift 2
+    [[ -z "${ONLY:-}" || " $ONLY " == *" $name "* ]] || return 0  # ONLY="throughput tenants": just those
     echo "== $name (limit ${limit}s)"
     local t0=$SECONDS
     timeout "$limit" $PY "benchmarks/$1" "${@:2}" > "$out/$name.log" 2>&1
@@ -38,6 +40,8 @@ run latency 90 bench_latency.py "${M[@]}" --size "$size" --steps "$steps" --iter
 run abort 60 bench_abort.py "${M[@]}" --size "$size" --steps 50 --trials 3 --out "$out/abort.json"
 run lora 90 bench_lora.py "${M[@]}" --size "$size" --steps "$steps" --clients 8 --per-client 3 \
     --out "$out/lora.json"
+run tenants 90 bench_tenants.py "${M[@]}" --size "$size" --steps "$steps" --seconds 10 --batch 8 \
+    --out "$out/tenants.json"
 read -r -a C <<< "${CACHE_MODELS:-builtin:sd15-arch}"
 run cache 90 bench_cache.py "${M[@]}" --models "${C[@]}" --size "$size" --steps "$steps" --batch 1 \
     --rounds 2 --out "$out/cache.json"
