@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Every GPU figure the issues ask for, in one run sized for a 15-minute device lease (~8 minutes
-# of work, each benchmark under its own time limit so one slow part cannot eat the rest).
+# Every GPU figure the issues ask for, each benchmark under its own time limit so one slow part
+# cannot eat the rest. On an H200 the throughput part alone took 230 s and the limits add up to
+# more than one 10-minute device call: split a run with ONLY="throughput tenants" and the rest.
 #
 #   bash benchmarks/gpu_suite.sh [OUTDIR]          # default OUTDIR: $OUT, else benchmarks/results/gpu
 #
