@@ -28,7 +28,7 @@ LAYOUTS = {
     "sd3": ("SD3", "StableDiffusion3Pipeline"),
     "flux": ("FLUX", "FluxPipeline"),
 }
-LOADABLE = ("sd1", "sdxl", "flux")
+LOADABLE = ("sd1", "sdxl", "sd3", "flux")
 # The parts a loadable layout's file holds, by the prefix of their tensor names.
 PARTS = {
     "sd1": {"UNet": "model.diffusion_model.", "VAE": "first_stage_model.",
@@ -36,6 +36,9 @@ PARTS = {
     "sdxl": {"UNet": "model.diffusion_model.", "VAE": "first_stage_model.",
              "text encoder": "conditioner.embedders.0.transformer.",
              "second text encoder": "conditioner.embedders.1.model."},
+    # SD3's text encoders are optional: many files leave them out (`sd3_medium.safetensors`),
+    # and those come with `model.pipeline_config`.
+    "sd3": {"transformer": "model.diffusion_model.", "VAE": "first_stage_model."},
 }  # fmt: skip
 
 

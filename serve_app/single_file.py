@@ -4,14 +4,17 @@ of the single-file checkpoints A1111, ComfyUI and model sites share:
     python -m serve_app.single_file builtin:tiny-sd tiny-sd.safetensors
     python -m serve_app.single_file ./my-sdxl-pipeline my-sdxl.safetensors
 
-Stable Diffusion 1.x and SDXL pipelines: the UNet under `model.diffusion_model.` (SDXL's size
-embedding as `label_emb`), the VAE under `first_stage_model.`; SD 1.x's CLIP text encoder under
-`cond_stage_model.transformer.`, SDXL's first under `conditioner.embedders.0.transformer.` and
-its second (OpenCLIP's layout: fused attention projections, `resblocks`, a transposed
-projection) under `conditioner.embedders.1.model.`. The file loads back with diffusers'
-`from_single_file` to the same weights (tests/test_single_file.py serves one and compares
-images), so a twin in this layout stands for a community checkpoint. For FLUX, the transformer
-alone in Black Forest Labs' layout (`double_blocks`, `single_blocks`; engine/flux_file.py).
+Stable Diffusion 1.x, SDXL and SD3 pipelines. SD 1.x and SDXL: the UNet under
+`model.diffusion_model.` (SDXL's size embedding as `label_emb`), the VAE under
+`first_stage_model.`; SD 1.x's CLIP text encoder under `cond_stage_model.transformer.`, SDXL's
+first under `conditioner.embedders.0.transformer.` and its second (OpenCLIP's layout: fused
+attention projections, `resblocks`, a transposed projection) under
+`conditioner.embedders.1.model.`. SD3: the MMDiT under `model.diffusion_model.` (`joint_blocks`,
+fused `qkv`), the VAE likewise, the text encoders under `text_encoders.clip_l|clip_g|t5xxl.`.
+For FLUX, the transformer alone in Black Forest Labs' layout (`double_blocks`, `single_blocks`;
+engine/flux_file.py). The file loads back with diffusers' `from_single_file` to the same weights
+(tests/test_single_file.py serves one and compares images), so a twin in this layout stands for
+a community checkpoint.
 """
 
 from __future__ import annotations
@@ -117,10 +120,10 @@ def vae_to_original(state: dict[str, torch.Tensor], num_blocks: int) -> dict[str
 
 
 def text_encoder_to_original(state: dict[str, torch.Tensor], prefix: str = TEXT) -> dict[str, torch.Tensor]:
-    """A transformers `CLIPTextModel` state dict under the original prefix (with its
-    `text_model.` level, which newer transformers versions leave out)."""
+    """A transformers `CLIPTextModel` (or `...WithProjection`) state dict under the original
+    prefix (with its `text_model.` level, which newer transformers versions leave out)."""
     return {
-        prefix + (key if key.startswith("text_model.") else "text_model." + key): value
+        prefix + (key if key.startswith(("text_model.", "text_projection.")) else "text_model." + key): value
         for key, value in state.items()
     }
 
@@ -160,8 +163,87 @@ def open_clip_to_original(
     return out
 
 
+# SD3's MMDiT: the original's names (Stability's `mmdit`) for diffusers' modules, outside the blocks.
+_SD3_TOP = {
+    "pos_embed.proj": "x_embedder.proj",
+    "context_embedder": "context_embedder",
+    "time_text_embed.timestep_embedder.linear_1": "t_embedder.mlp.0",
+    "time_text_embed.timestep_embedder.linear_2": "t_embedder.mlp.2",
+    "time_text_embed.text_embedder.linear_1": "y_embedder.mlp.0",
+    "time_text_embed.text_embedder.linear_2": "y_embedder.mlp.2",
+    "proj_out": "final_layer.linear",
+    "norm_out.linear": "final_layer.adaLN_modulation.1",
+}
+# In a joint block (`transformer_blocks.N` / `joint_blocks.N`): the image stream is `x_block`, the
+# text stream `context_block`.
+_SD3_BLOCK = {
+    "norm1.linear": "x_block.adaLN_modulation.1",
+    "norm1_context.linear": "context_block.adaLN_modulation.1",
+    "attn.norm_q": "x_block.attn.ln_q",
+    "attn.norm_k": "x_block.attn.ln_k",
+    "attn.norm_added_q": "context_block.attn.ln_q",
+    "attn.norm_added_k": "context_block.attn.ln_k",
+    "attn.to_out.0": "x_block.attn.proj",
+    "attn.to_add_out": "context_block.attn.proj",
+    "attn2.norm_q": "x_block.attn2.ln_q",
+    "attn2.norm_k": "x_block.attn2.ln_k",
+    "attn2.to_out.0": "x_block.attn2.proj",
+    "ff.net.0.proj": "x_block.mlp.fc1",
+    "ff.net.2": "x_block.mlp.fc2",
+    "ff_context.net.0.proj": "context_block.mlp.fc1",
+    "ff_context.net.2": "context_block.mlp.fc2",
+}
+_SD3_FUSED = {
+    "x_block.attn.qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "context_block.attn.qkv": ("attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj"),
+    "x_block.attn2.qkv": ("attn2.to_q", "attn2.to_k", "attn2.to_v"),
+}
+
+
+def _swap_halves(w: torch.Tensor) -> torch.Tensor:
+    """An adaptive norm's projection with its two halves swapped: the original splits it into
+    shift then scale, diffusers into scale then shift (the swap is its own inverse)."""
+    a, b = w.chunk(2, dim=0)
+    return torch.cat([b, a])
+
+
+def sd3_to_original(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A diffusers `SD3Transformer2DModel` state dict in the original layout under
+    `model.diffusion_model.`: q, k and v fused as `qkv`, the last block's text-stream norm (it
+    only feeds the image stream) and the final norm with their halves swapped."""
+    last = max(int(k.split(".")[1]) for k in state if k.startswith("transformer_blocks."))
+    out, fused = {}, {}
+    for key, value in state.items():
+        if key == "pos_embed.pos_embed":
+            out["pos_embed"] = value
+            continue
+        if not key.startswith("transformer_blocks."):
+            name = _rename(key, _SD3_TOP)
+            out[name] = _swap_halves(value) if name.startswith("final_layer.adaLN") else value
+            continue
+        _, block, inner = key.split(".", 2)
+        module, kind = inner.rsplit(".", 1)
+        group = next((g for g, parts in _SD3_FUSED.items() if module in parts), None)
+        if group is not None:
+            fused.setdefault((block, group, kind), {})[module] = value
+            continue
+        name = _rename(inner, _SD3_BLOCK)
+        if int(block) == last and module == "norm1_context.linear":
+            value = _swap_halves(value)
+        out[f"joint_blocks.{block}.{name}"] = value
+    for (block, group, kind), parts in fused.items():
+        out[f"joint_blocks.{block}.{group}.{kind}"] = torch.cat([parts[m] for m in _SD3_FUSED[group]])
+    return {UNET + k: v for k, v in out.items()}
+
+
+def t5_to_original(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    """A transformers `T5EncoderModel` state dict under `prefix`; the token embedding once, as
+    `shared` (the encoder's copy is the same tensor, tied back on load)."""
+    return {prefix + k: v.clone() for k, v in state.items() if k != "encoder.embed_tokens.weight"}
+
+
 def pipeline_to_original(pipe) -> dict[str, torch.Tensor]:
-    """Every weight of a Stable Diffusion 1.x or SDXL pipeline, or a FLUX pipeline's transformer,
+    """Every weight of a Stable Diffusion 1.x, SDXL or SD3 pipeline, or a FLUX pipeline's transformer,
     in one original-layout state dict."""
     kind = type(pipe).__name__
     if kind.startswith("Flux"):  # the transformer alone, unprefixed, as FLUX's makers share it
@@ -171,8 +253,20 @@ def pipeline_to_original(pipe) -> dict[str, torch.Tensor]:
             k: v.detach().to("cpu").contiguous()
             for k, v in flux_to_original(pipe.transformer.state_dict()).items()
         }
+    if kind == "StableDiffusion3Pipeline":
+        state = sd3_to_original(pipe.transformer.state_dict())
+        state.update(vae_to_original(pipe.vae.state_dict(), len(pipe.vae.config.down_block_types)))
+        from serve_app.engine.checkpoint_file import TEXT_ENCODERS
+
+        for name, (layout, prefix) in TEXT_ENCODERS["sd3"].items():  # CLIP-L, CLIP-G, T5
+            part = getattr(pipe, name).state_dict()
+            t5 = layout == "t5"
+            state.update(t5_to_original(part, prefix) if t5 else text_encoder_to_original(part, prefix))
+        return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
     if kind not in ("StableDiffusionPipeline", "StableDiffusionXLPipeline"):
-        raise ValueError(f"only Stable Diffusion 1.x, SDXL and FLUX pipelines are written; this is a {kind}")
+        raise ValueError(
+            f"only Stable Diffusion 1.x, SDXL, SD3 and FLUX pipelines are written; this is a {kind}"
+        )
     state = unet_to_original(pipe.unet.state_dict(), pipe.unet.config.layers_per_block)
     state.update(vae_to_original(pipe.vae.state_dict(), len(pipe.vae.config.down_block_types)))
     if kind == "StableDiffusionXLPipeline":

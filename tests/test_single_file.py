@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from serve_app.config import ModelConfig
 from serve_app.engine import CallParams, DiffusionEngine, ModelLoadError, Row
 from serve_app.engine.builtin import build_builtin
+from serve_app.engine.checkpoint_file import write_configs
 from serve_app.layouts import checkpoint_layout
 from serve_app.single_file import main as write_main
 from serve_app.single_file import write_single_file
@@ -38,7 +39,7 @@ def files(tmp_path_factory):
     checkpoint layout, headers of the layouts not loaded, ones without a part or half of one,
     a `.ckpt`."""
     root = tmp_path_factory.mktemp("single-file")
-    for name in ("tiny-sd", "tiny-sdxl", "tiny-flux"):
+    for name in ("tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux"):
         write_main([f"builtin:{name}", str(root / f"{name}.safetensors")])
         write_single_file(build_builtin(name, seed=1), root / f"{name}-1.safetensors")
     good = (root / "tiny-sd.safetensors").read_bytes()
@@ -67,6 +68,14 @@ def files(tmp_path_factory):
               str(root / "xl-no-text-2.safetensors"))  # fmt: skip
     save_file({k: v for k, v in xl.items() if not k.startswith(second + "transformer.resblocks.1.")},
               str(root / "xl-half-text-2.safetensors"))  # fmt: skip
+    sd3 = load_file(str(root / "tiny-sd3.safetensors"))
+    save_file({k: v for k, v in sd3.items() if not k.startswith("text_encoders.")},
+              str(root / "sd3-no-text.safetensors"))  # fmt: skip  # as sd3_medium.safetensors ships
+    t5_block = "text_encoders.t5xxl.transformer.encoder.block.1."
+    save_file({k: v for k, v in sd3.items() if not k.startswith(t5_block)},
+              str(root / "sd3-half-t5.safetensors"))  # fmt: skip
+    projection = "text_encoders.clip_l.transformer.text_projection.weight"
+    save_file({k: v for k, v in sd3.items() if k != projection}, str(root / "sd3-no-projection.safetensors"))
     flux = load_file(str(root / "tiny-flux.safetensors"))  # BFL's layout: unprefixed
     save_file({"model.diffusion_model." + k: v for k, v in flux.items()}  # ComfyUI's, with its other parts
               | {"vae.decoder.conv_in.weight": torch.zeros(1),
@@ -78,6 +87,8 @@ def files(tmp_path_factory):
     save_file({"double_blocks.0.img_attn.qkv.weight": torch.zeros(1)}, str(root / "flux-header.safetensors"))
     build_builtin("tiny-flux").save_pretrained(root / "tiny-flux-diffusers", safe_serialization=True)
     build_builtin("tiny-sd").save_pretrained(root / "tiny-sd-diffusers", safe_serialization=True)
+    build_builtin("tiny-sd3", seed=1).save_pretrained(root / "tiny-sd3-1-diffusers", safe_serialization=True)
+    write_configs(build_builtin("tiny-sd3", device="meta"), root / "tiny-sd3-configs")  # no weights
     return root
 
 
@@ -102,15 +113,15 @@ def pixels(e: DiffusionEngine, seed: int = 1) -> np.ndarray:
 @pytest.mark.parametrize(
     "name, config",
     [("tiny-sd", "builtin:tiny-sd"), ("tiny-sd", "directory"), ("tiny-sdxl", "builtin:tiny-sdxl"),
-     ("tiny-flux", "builtin:tiny-flux"), ("tiny-flux", "directory")],
+     ("tiny-sd3", "builtin:tiny-sd3"), ("tiny-flux", "builtin:tiny-flux"), ("tiny-flux", "directory")],
 )  # fmt: skip
 def test_a_single_file_makes_the_images_of_the_pipeline_it_was_written_from(files, engines, name, config):
     """Its weights come from the file (the seed-1 twin's, whatever the config directory holds)
     and its configs, tokenizers and scheduler from the config: the same images, pixel for
-    pixel. SDXL's two text encoders are as wide as each other here, so each is found by its
-    prefix, not by its width. A FLUX file holds the transformer alone, at a width diffusers'
-    converter cannot read; the other parts are the config's."""
-    layout = {"tiny-sd": "sd1", "tiny-sdxl": "sdxl", "tiny-flux": "flux"}[name]
+    pixel. SDXL's two text encoders are as wide as each other here, and SD3's two CLIPs, so
+    each is found by its prefix, not by its width. A FLUX file holds the transformer alone, at
+    a width diffusers' converter cannot read; the other parts are the config's."""
+    layout = {"tiny-sd": "sd1", "tiny-sdxl": "sdxl", "tiny-sd3": "sd3", "tiny-flux": "flux"}[name]
     assert checkpoint_layout(list(load_file(str(files / f"{name}.safetensors")))) == layout
     pipeline_config = str(files / f"{name}-diffusers") if config == "directory" else config
     twin, other = (
@@ -121,9 +132,10 @@ def test_a_single_file_makes_the_images_of_the_pipeline_it_was_written_from(file
     try:
         assert twin.model_name == name
         assert twin.describe()["family"] == engines(name).describe()["family"]
-        names = ("transformer",) if layout == "flux" else ("unet", "vae", "text_encoder", "text_encoder_2")
+        names = ("transformer",) if layout == "flux" else ("unet", "transformer", "vae", "text_encoder",
+                                                            "text_encoder_2", "text_encoder_3")  # fmt: skip
         parts = [n for n in names if getattr(seed1.pipe, n, None)]
-        assert len(parts) == {"sd1": 3, "sdxl": 4, "flux": 1}[layout]
+        assert len(parts) == {"sd1": 3, "sdxl": 4, "sd3": 5, "flux": 1}[layout]
         for part in parts:
             mine, built = getattr(other.pipe, part).state_dict(), getattr(seed1.pipe, part).state_dict()
             assert mine.keys() == built.keys() and all(torch.equal(mine[k], built[k]) for k in mine), part
@@ -146,9 +158,15 @@ def test_a_single_file_makes_the_images_of_the_pipeline_it_was_written_from(file
             "sd2.safetensors",
             None,
             "is a checkpoint in the Stable Diffusion 2.x layout; single files are "
-            "loaded in the Stable Diffusion 1.x, SDXL, FLUX layouts only",
+            "loaded in the Stable Diffusion 1.x, SDXL, SD3, FLUX layouts only",
         ),
-        ("sd3.safetensors", None, "is a checkpoint in the SD3 layout; single files"),
+        ("sd3.safetensors", "builtin:tiny-sd3", "holds no VAE weights (no first_stage_model.* tensors)"),
+        (
+            "sd3-half-t5.safetensors",
+            "builtin:tiny-sd3",
+            "lacks 8 weights of the text_encoder_3 (e.g. encoder.block.1.",
+        ),
+        ("tiny-sd3.safetensors", "builtin:tiny-sdxl", "describes a StableDiffusionXLPipeline"),
         (
             "flux-no-single.safetensors",
             "builtin:tiny-flux",
@@ -233,7 +251,7 @@ def test_single_files_are_served_as_the_model_and_as_a_pools_checkpoints(
         ("pickle.safetensors", "'pickle.safetensors' holds a pickle"),
         ("old.ckpt", "'old.ckpt' is a pickle checkpoint"),
         ("unet-only.safetensors", "'unet-only.safetensors' is of no checkpoint layout"),
-        ("sd3.safetensors", "'sd3.safetensors' is a checkpoint in the SD3 layout; single files are loaded"),
+        ("sd2.safetensors", "'sd2.safetensors' is a checkpoint in the Stable Diffusion 2.x layout; single"),
         ("no-vae.safetensors", "'no-vae.safetensors' holds no VAE weights"),
         ("tiny-sdxl.safetensors", "a StableDiffusionXLPipeline (sdxl); pool 'tiny-sd' serves sd checkpoints"),
         (
@@ -253,9 +271,9 @@ def test_single_files_are_served_as_the_model_and_as_a_pools_checkpoints(
     assert json.loads((tmp_path / "checkpoints.json").read_text()).keys() == {"one"}
 
 
-def test_sdxl_and_flux_single_files_are_served_with_their_twins_images(files, client):
-    """An SDXL file and a FLUX transformer file as two models of one app make their twins'
-    images over HTTP, each listed with its family."""
+def test_sdxl_sd3_and_flux_single_files_are_served_with_their_twins_images(files, client):
+    """An SDXL file, an SD3 file and a FLUX transformer file as three models of one app make
+    their twins' images over HTTP, each listed with its family."""
     args = app_args()
     model = {k: v for k, v in args.pop("model").items() if k != "aliases"}  # one model has them
     args["models"] = [
@@ -266,7 +284,7 @@ def test_sdxl_and_flux_single_files_are_served_with_their_twins_images(files, cl
                 "pipeline_config": f"builtin:{name}",
             }
         }
-        for name in ("tiny-sdxl", "tiny-flux")
+        for name in ("tiny-sdxl", "tiny-sd3", "tiny-flux")
     ]
     from ray import serve
 
@@ -275,10 +293,11 @@ def test_sdxl_and_flux_single_files_are_served_with_their_twins_images(files, cl
         listed = client.get(f"{prefix}/v1/models").json()["data"]
         assert sorted((m["id"], m["family"]) for m in listed) == [
             ("tiny-flux", "flux"),
+            ("tiny-sd3", "sd3"),
             ("tiny-sdxl", "sdxl"),
         ]
         threads = torch.get_num_threads()
-        for name, guidance in (("tiny-sdxl", 5.0), ("tiny-flux", 3.5)):
+        for name, guidance in (("tiny-sdxl", 5.0), ("tiny-sd3", 7.0), ("tiny-flux", 3.5)):
             body = {"model": name, "prompt": PROMPT, "seed": 1, "size": "32x32", "num_inference_steps": 3}
             served = png(
                 client.post(f"{prefix}/v1/images/generations", json={**body, "guidance_scale": guidance})
@@ -295,6 +314,32 @@ def test_sdxl_and_flux_single_files_are_served_with_their_twins_images(files, cl
                 torch.set_num_threads(threads)
     finally:
         serve.delete("single-file-2", _blocking=False)
+
+
+def test_an_sd3_file_without_text_encoders_takes_the_configs_and_clip_l_pools_unprojected(files, engines):
+    """Many SD3 files leave the text encoders out (`sd3_medium.safetensors`): those come with
+    `model.pipeline_config` (built from `model.seed`), the rest from the file. A CLIP-L without
+    a projection gets the identity, as SD3's reference code pools it."""
+    bare = engine(files / "sd3-no-text.safetensors", "builtin:tiny-sd3")
+    seed1 = engine(files / "sd3-no-text.safetensors", "builtin:tiny-sd3", seed=1)
+    plain = engine(files / "sd3-no-projection.safetensors", "builtin:tiny-sd3")
+    directory = engine(files / "sd3-no-text.safetensors", str(files / "tiny-sd3-1-diffusers"))
+    try:
+        assert (pixels(bare) == pixels(engines("tiny-sd3"))).all()
+        twin = engines("tiny-sd3").pipe
+        for part in ("transformer", "vae"):  # the file's, whatever the seed
+            assert all(torch.equal(v, twin.components[part].state_dict()[k])
+                       for k, v in seed1.pipe.components[part].state_dict().items())  # fmt: skip
+        assert np.abs(pixels(seed1) - pixels(bare)).max() > 20  # seed 1's text encoders
+        assert (pixels(directory) == pixels(seed1)).all()  # a directory's text encoders: seed 1's too
+        projection = plain.pipe.text_encoder.text_projection.weight
+        assert torch.equal(projection, torch.eye(projection.shape[0], dtype=projection.dtype))
+        assert np.abs(pixels(plain) - pixels(bare)).max() > 0
+        with pytest.raises(ModelLoadError, match="holds no text_encoder weights .* has none either"):
+            engine(files / "sd3-no-text.safetensors", str(files / "tiny-sd3-configs"))
+    finally:
+        for e in (bare, seed1, plain, directory):
+            e.close()
 
 
 def test_a_flux_file_in_comfyuis_layout_or_in_fp8_loads(files, engines):

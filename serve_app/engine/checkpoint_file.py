@@ -1,6 +1,7 @@
 """A pipeline from one checkpoint file in the original layout: the single `.safetensors` file of
 A1111, ComfyUI and model sites, which holds the UNet, VAE and text encoders of Stable Diffusion
-1.x or SDXL under their original names, or FLUX's transformer alone (`flux_file.py`).
+1.x or SDXL under their original names, SD3's MMDiT and VAE (and its text encoders where the
+file has them: the others come with the configs), or FLUX's transformer alone (`flux_file.py`).
 diffusers' `from_single_file` and its converters turn the SD weights into diffusers' (each text
 encoder by the prefix its layout puts it under, where diffusers would guess by width and take
 the wrong one when two encoders are equally wide); nothing is downloaded: the pipeline's
@@ -58,6 +59,7 @@ def load_single_file(cfg: ModelConfig, dtype: torch.dtype, reuse: dict[str, Any]
             pipe = _around_transformer(cfg, path, config_dir, class_name, src, reuse or {})
         else:
             parts = _converted_models(index, path, config_dir, src, layout, reuse or {})
+            parts.update(_absent_text_encoders(cfg, layout, parts, config_dir))
             pipe = getattr(diffusers, class_name).from_single_file(
                 str(path), config=str(config_dir), local_files_only=True, **parts
             )  # in the file's dtype: a weight it lacks stays on the meta device, found below
@@ -129,11 +131,18 @@ def _checked_file(src: str) -> tuple[Path, list[str], str]:
         raise ModelLoadError(f"{field}: {src!r} {e}") from None
 
 
-# Where each layout keeps a text encoder: (its layout, the prefix of its tensor names).
+# Where each layout keeps a text encoder: (its layout, the prefix of its tensor names). SD3's
+# CLIP-L ("clip_l") pools without a projection in Stability's code: where its file holds none,
+# the identity stands for it, as in diffusers' loader.
 TEXT_ENCODERS = {
     "sdxl": {"text_encoder": ("clip", "conditioner.embedders.0.transformer."),
              "text_encoder_2": ("open_clip", "conditioner.embedders.1.model.")},
+    "sd3": {"text_encoder": ("clip_l", "text_encoders.clip_l.transformer."),
+            "text_encoder_2": ("clip", "text_encoders.clip_g.transformer."),
+            "text_encoder_3": ("t5", "text_encoders.t5xxl.transformer.")},
 }  # fmt: skip
+# Layouts whose files may leave the text encoders out: those come with `model.pipeline_config`.
+OPTIONAL_TEXT = ("sd3",)
 
 
 def _converted_models(
@@ -152,15 +161,18 @@ def _converted_models(
             continue
         if name in TEXT_ENCODERS.get(layout, {}):
             state = load_file(str(path)) if state is None else state
-            out[name] = _text_encoder(kind, state, config_dir, name, TEXT_ENCODERS[layout][name], src)
+            where = TEXT_ENCODERS[layout][name]
+            if layout in OPTIONAL_TEXT and not any(k.startswith(where[1]) for k in state):
+                continue  # the pipeline's configs bring it (absent_parts)
+            out[name] = _text_encoder(kind, state, config_dir, name, where, src)
             continue
         cls = getattr(diffusers, kind[1], None) if kind[0] == "diffusers" else None
         if not (isinstance(cls, type) and issubclass(cls, FromOriginalModelMixin)):
             continue
         state = load_file(str(path)) if state is None else state
         try:
-            out[name] = cls.from_single_file(
-                state, config=str(config_dir), subfolder=name, local_files_only=True
+            out[name] = cls.from_single_file(  # a copy: SD3's converter renames in place
+                dict(state), config=str(config_dir), subfolder=name, local_files_only=True
             )
         except NotImplementedError as e:
             if "meta tensor" not in str(e):
@@ -168,6 +180,33 @@ def _converted_models(
             raise ModelLoadError(
                 f"model.source: {src!r} lacks weights of the {name} (some of its tensors are absent); "
                 "not a whole checkpoint"
+            ) from None
+    return out
+
+
+def _absent_text_encoders(cfg: ModelConfig, layout: str, parts: dict, config_dir: Path) -> dict[str, Any]:
+    """The text encoders a file of an `OPTIONAL_TEXT` layout left out, weights and all from
+    `model.pipeline_config`: an embedded model (built from `model.seed`) or a directory's."""
+    names = [n for n in TEXT_ENCODERS.get(layout, {}) if n not in parts]
+    if layout not in OPTIONAL_TEXT or not names:
+        return {}
+    setting = cfg.pipeline_config or ""
+    if setting.startswith(BUILTIN_PREFIX):
+        from serve_app.engine.builtin import build_builtin
+
+        pipe = build_builtin(setting[len(BUILTIN_PREFIX) :], seed=cfg.seed)
+        return {n: getattr(pipe, n) for n in names}
+    import transformers
+
+    index, out = json.loads((config_dir / "model_index.json").read_text()), {}
+    for name in names:
+        try:
+            cls = getattr(transformers, index[name][1])
+            out[name] = cls.from_pretrained(config_dir, subfolder=name, local_files_only=True).eval()
+        except (OSError, KeyError, TypeError, AttributeError):
+            raise ModelLoadError(
+                f"model.source: {cfg.source!r} holds no {name} weights (no {TEXT_ENCODERS[layout][name][1]}* "
+                f"tensors) and model.pipeline_config {setting!r} has none either"
             ) from None
     return out
 
@@ -185,11 +224,15 @@ def _text_encoder(kind: list, state: dict, config_dir: Path, name: str, where: t
     if layout == "open_clip":
         with torch.device("meta"):  # the converter reads only the model's config
             weights = convert_open_clip_checkpoint(cls(config), mine, prefix=prefix)
+    elif layout == "t5":
+        weights = {k.removeprefix(prefix): v for k, v in mine.items()}
     else:
         weights = convert_ldm_clip_checkpoint(mine, prefix)
     with torch.device("meta"):
         has_wrapper = hasattr(cls(config), "text_model")
-    if not has_wrapper:  # transformers 5.6 flattened CLIPTextModel
+    if layout == "clip_l" and "text_projection.weight" not in weights:
+        weights["text_projection.weight"] = torch.eye(config.hidden_size)
+    if layout != "t5" and not has_wrapper:  # transformers 5.6 flattened CLIPTextModel
         weights = {k.removeprefix("text_model."): v for k, v in weights.items()}
     model, info = cls.from_pretrained(None, config=config, state_dict=weights, output_loading_info=True)
     if info["missing_keys"]:
