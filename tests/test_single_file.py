@@ -74,6 +74,8 @@ def files(tmp_path_factory):
     t5_block = "text_encoders.t5xxl.transformer.encoder.block.1."
     save_file({k: v for k, v in sd3.items() if not k.startswith(t5_block)},
               str(root / "sd3-half-t5.safetensors"))  # fmt: skip
+    save_file({k: v.to(torch.float8_e4m3fn) if k.startswith("text_encoders.t5xxl.") else v
+               for k, v in sd3.items()}, str(root / "sd3-t5-fp8.safetensors"))  # fmt: skip
     projection = "text_encoders.clip_l.transformer.text_projection.weight"
     save_file({k: v for k, v in sd3.items() if k != projection}, str(root / "sd3-no-projection.safetensors"))
     flux = load_file(str(root / "tiny-flux.safetensors"))  # BFL's layout: unprefixed
@@ -319,12 +321,19 @@ def test_sdxl_sd3_and_flux_single_files_are_served_with_their_twins_images(files
 def test_an_sd3_file_without_text_encoders_takes_the_configs_and_clip_l_pools_unprojected(files, engines):
     """Many SD3 files leave the text encoders out (`sd3_medium.safetensors`): those come with
     `model.pipeline_config` (built from `model.seed`), the rest from the file. A CLIP-L without
-    a projection gets the identity, as SD3's reference code pools it."""
+    a projection gets the identity, as SD3's reference code pools it; an fp8 T5 is widened."""
     bare = engine(files / "sd3-no-text.safetensors", "builtin:tiny-sd3")
     seed1 = engine(files / "sd3-no-text.safetensors", "builtin:tiny-sd3", seed=1)
     plain = engine(files / "sd3-no-projection.safetensors", "builtin:tiny-sd3")
     directory = engine(files / "sd3-no-text.safetensors", str(files / "tiny-sd3-1-diffusers"))
+    fp8 = engine(files / "sd3-t5-fp8.safetensors", "builtin:tiny-sd3")
     try:
+        mine, twin_t5 = (
+            fp8.pipe.text_encoder_3.state_dict(),
+            engines("tiny-sd3").pipe.text_encoder_3.state_dict(),
+        )
+        assert all(torch.equal(v, twin_t5[k].to(torch.float8_e4m3fn).float()) for k, v in mine.items())
+        assert pixels(fp8).shape == (32, 32, 3)
         assert (pixels(bare) == pixels(engines("tiny-sd3"))).all()
         twin = engines("tiny-sd3").pipe
         for part in ("transformer", "vae"):  # the file's, whatever the seed
@@ -338,7 +347,7 @@ def test_an_sd3_file_without_text_encoders_takes_the_configs_and_clip_l_pools_un
         with pytest.raises(ModelLoadError, match="holds no text_encoder weights .* has none either"):
             engine(files / "sd3-no-text.safetensors", str(files / "tiny-sd3-configs"))
     finally:
-        for e in (bare, seed1, plain, directory):
+        for e in (bare, seed1, plain, directory, fp8):
             e.close()
 
 

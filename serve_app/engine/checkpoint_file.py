@@ -163,7 +163,7 @@ def _converted_models(
             state = load_file(str(path)) if state is None else state
             where = TEXT_ENCODERS[layout][name]
             if layout in OPTIONAL_TEXT and not any(k.startswith(where[1]) for k in state):
-                continue  # the pipeline's configs bring it (absent_parts)
+                continue  # model.pipeline_config brings it (_absent_text_encoders)
             out[name] = _text_encoder(kind, state, config_dir, name, where, src)
             continue
         cls = getattr(diffusers, kind[1], None) if kind[0] == "diffusers" else None
@@ -230,6 +230,10 @@ def _text_encoder(kind: list, state: dict, config_dir: Path, name: str, where: t
         weights = convert_ldm_clip_checkpoint(mine, prefix)
     with torch.device("meta"):
         has_wrapper = hasattr(cls(config), "text_model")
+    # fp8 files (`..._t5xxlfp8`): widened here, cast to model.dtype with the rest of the pipeline
+    weights = {
+        k: v.float() if v.is_floating_point() and v.element_size() == 1 else v for k, v in weights.items()
+    }
     if layout == "clip_l" and "text_projection.weight" not in weights:
         weights["text_projection.weight"] = torch.eye(config.hidden_size)
     if layout != "t5" and not has_wrapper:  # transformers 5.6 flattened CLIPTextModel
