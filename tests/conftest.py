@@ -132,6 +132,27 @@ def wait_for(pred, timeout: float = 60.0, interval: float = 0.05):
     raise AssertionError(f"condition not met within {timeout}s")
 
 
+@contextlib.contextmanager
+def replica_held(client: httpx.Client, prefix: str = "", steps: int = 40):
+    """A slow request running on the app's one replica for the body's length, so that requests
+    sent meanwhile queue and start together when it ends, however a loaded machine spreads
+    their arrivals (past any batch window). Yields `queued()`, the replica's queued requests."""
+    from serve_app.testing import SLOW_MARKER
+
+    hold = f"hold-{time.monotonic_ns()}"
+    body = {"prompt": f"hold {SLOW_MARKER}", "num_inference_steps": steps, "request_id": hold}
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(client.post, f"{prefix}/v1/images/generations", json=body)
+
+        def running() -> bool:
+            r = client.get(f"{prefix}/v1/requests/{hold}")
+            return r.status_code == 200 and r.json()["state"] == "running"
+
+        wait_for(running, 60)
+        yield lambda: client.get(f"{prefix}/v1/status").json()["replicas"][0]["queued_requests"]
+        assert held.result().status_code == 200, held.result().text
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

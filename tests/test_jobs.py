@@ -127,8 +127,11 @@ def test_abort_a_running_job_and_its_state_says_so(client):
     wait_for(lambda: client.get(f"/v1/jobs/{job['id']}").json()["step"] >= 2, 60)
     # Another size cannot share its pipeline call: that job waits, and says where in the queue.
     behind = submit(client, {"prompt": "behind", "num_inference_steps": 2, "size": "40x40"}).json()
-    waiting = client.get(f"/v1/jobs/{behind['id']}").json()
-    assert waiting["state"] == "queued" and waiting["queue_position"] == 0, waiting
+    # (The 202 comes once the job is stored; it reaches the replica's queue a moment later.)
+    waiting = wait_for(
+        lambda: (j := client.get(f"/v1/jobs/{behind['id']}").json())["queue_position"] == 0 and j, 30
+    )
+    assert waiting["state"] == "queued", waiting
     r = client.delete(f"/v1/jobs/{job['id']}")
     assert r.status_code == 200 and r.json()["state"] == "aborted", r.text
     got = client.get(f"/v1/jobs/{job['id']}").json()

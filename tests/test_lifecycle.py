@@ -14,7 +14,7 @@ import pytest
 
 from serve_app.errors import Aborted
 from serve_app.schemas import GenerationRequest, GenerationResult, StepEvent
-from tests.conftest import wait_for
+from tests.conftest import replica_held, wait_for
 
 GEN = "/v1/images/generations"
 # A request that runs for many seconds on the tiny model (about half a second per step at 128x128).
@@ -146,8 +146,10 @@ def test_abort_unknown_or_finished_is_a_no_op_that_says_so(client):
 def test_abort_one_request_of_a_shared_pipeline_call_leaves_the_other(client, base_url):
     keep, drop = rid("keep"), rid("drop")
     body = {"prompt": "shared", "size": "96x96", "num_inference_steps": 12, "seed": 5}
-    a = Background(base_url, {**body, "request_id": keep})
-    b = Background(base_url, {**body, "prompt": "dropped", "request_id": drop})
+    with replica_held(client) as queued:  # both queue behind it, so they start in one call
+        a = Background(base_url, {**body, "request_id": keep})
+        b = Background(base_url, {**body, "prompt": "dropped", "request_id": drop})
+        wait_for(lambda: queued() == 2, 60)
     wait_for(lambda: (s := state(client, keep)) and s["state"] == "running" and s["step"] >= 1)
     s = state(client, drop)
     if s["state"] != "running":

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from serve_app.app import build_app
 from serve_app.lora import make_adapter
-from tests.conftest import ADAPTER_DIR, SESSION_DIR, TEST_ARGS
+from tests.conftest import ADAPTER_DIR, SESSION_DIR, TEST_ARGS, replica_held, wait_for
 
 APP = "lora"
 P = f"/{APP}"
@@ -244,8 +244,10 @@ def test_requests_with_different_adapters_share_one_call_over_http(client):
             return r.json()
 
         alone = [post(b) for b in bodies]
-        with cf.ThreadPoolExecutor(5) as pool:
-            together = list(pool.map(post, bodies))
+        with replica_held(client) as queued, cf.ThreadPoolExecutor(5) as pool:
+            futures = [pool.submit(post, b) for b in bodies]
+            wait_for(lambda: queued() == 5, 60)
+        together = [f.result() for f in futures]
         assert all(t["metrics"]["batch_requests"] == 5 for t in together), [t["metrics"] for t in together]
         for a, t in zip(alone, together, strict=True):
             assert np.abs(decoded(a) - decoded(t)).max() <= 3

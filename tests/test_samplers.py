@@ -27,7 +27,7 @@ from serve_app.replica import DiffusionReplica
 from serve_app.replica.intake import new_job
 from serve_app.schemas import GenerationRequest, ModelDescription, PreparedRequest
 from serve_app.testing import FakeEngine
-from tests.conftest import engine_cache
+from tests.conftest import engine_cache, replica_held, wait_for
 from tests.test_replica import run, stop
 
 ROWS = [Row("a red cat", None, 11), Row("a dog", "blurry", 3)]
@@ -404,8 +404,10 @@ def test_requests_of_other_samplers_sent_together_run_in_calls_of_their_own(clie
         body = {"prompt": f"together {sampler}", "seed": 3, "num_inference_steps": 3, "sampler": sampler}
         return client.post("/v1/images/generations", json=body).json()["metrics"]["batch_requests"]
 
-    with ThreadPoolExecutor(3) as pool:
-        counts = list(pool.map(send, ["Euler", "Euler", "DPM2"]))
+    with replica_held(client) as queued, ThreadPoolExecutor(3) as pool:
+        futures = [pool.submit(send, s) for s in ["Euler", "Euler", "DPM2"]]
+        wait_for(lambda: queued() == 3, 60)
+    counts = [f.result() for f in futures]
     assert counts == [2, 2, 1]
 
 

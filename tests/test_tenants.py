@@ -267,18 +267,19 @@ def test_handle_callers_name_a_tenant_and_weights_share_the_replica(tenants_app,
         handle.generate.remote({"prompt": f"shape {i}", "seed": i, "tenant": tenant}).result()
         done.append(tenant)
 
-    def queued() -> dict[str, int]:
+    def on_replica(where: str, *tenants: str) -> dict[str, int]:
         seen = status(base_url, ADMIN)["replicas"][0]["tenants"]
-        return {t: seen.get(t, {}).get("queued_requests", 0) for t in ("heavy", "light")}
+        return {t: seen.get(t, {}).get(f"{where}_requests", 0) for t in tenants}
 
     # A slow call of another tenant holds the replica while all 32 queue, so that the fair queue,
     # not the order in which 32 threads happen to reach it, decides who goes first.
     blocker = handle.generate.remote(
         {"prompt": f"{SLOW_MARKER} hold", "num_inference_steps": 50, "tenant": "team-a"}
     )
+    wait_for(lambda: on_replica("running", "team-a") == {"team-a": 1}, 60, 0.05)
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
         futures = [pool.submit(one, t, i) for i in range(16) for t in ("heavy", "light")]
-        wait_for(lambda: queued() == {"heavy": 16, "light": 16}, 30, 0.1)
+        wait_for(lambda: on_replica("queued", "heavy", "light") == {"heavy": 16, "light": 16}, 30, 0.1)
         blocker.result()
         for f in futures:
             f.result()
