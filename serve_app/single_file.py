@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+from serve_app.engine.flux_file import flux_to_original, swap_halves
+
 UNET, VAE, TEXT = "model.diffusion_model.", "first_stage_model.", "cond_stage_model.transformer."
 SDXL_TEXT, SDXL_TEXT_2 = "conditioner.embedders.0.transformer.", "conditioner.embedders.1.model."
 
@@ -200,13 +202,6 @@ _SD3_FUSED = {
 }
 
 
-def _swap_halves(w: torch.Tensor) -> torch.Tensor:
-    """An adaptive norm's projection with its two halves swapped: the original splits it into
-    shift then scale, diffusers into scale then shift (the swap is its own inverse)."""
-    a, b = w.chunk(2, dim=0)
-    return torch.cat([b, a])
-
-
 def sd3_to_original(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A diffusers `SD3Transformer2DModel` state dict in the original layout under
     `model.diffusion_model.`: q, k and v fused as `qkv`, the last block's text-stream norm (it
@@ -219,7 +214,7 @@ def sd3_to_original(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             continue
         if not key.startswith("transformer_blocks."):
             name = _rename(key, _SD3_TOP)
-            out[name] = _swap_halves(value) if name.startswith("final_layer.adaLN") else value
+            out[name] = swap_halves(value) if name.startswith("final_layer.adaLN") else value
             continue
         _, block, inner = key.split(".", 2)
         module, kind = inner.rsplit(".", 1)
@@ -229,7 +224,7 @@ def sd3_to_original(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             continue
         name = _rename(inner, _SD3_BLOCK)
         if int(block) == last and module == "norm1_context.linear":
-            value = _swap_halves(value)
+            value = swap_halves(value)
         out[f"joint_blocks.{block}.{name}"] = value
     for (block, group, kind), parts in fused.items():
         out[f"joint_blocks.{block}.{group}.{kind}"] = torch.cat([parts[m] for m in _SD3_FUSED[group]])
@@ -247,33 +242,29 @@ def pipeline_to_original(pipe) -> dict[str, torch.Tensor]:
     in one original-layout state dict."""
     kind = type(pipe).__name__
     if kind.startswith("Flux"):  # the transformer alone, unprefixed, as FLUX's makers share it
-        from serve_app.engine.flux_file import flux_to_original
-
-        return {
-            k: v.detach().to("cpu").contiguous()
-            for k, v in flux_to_original(pipe.transformer.state_dict()).items()
-        }
-    if kind == "StableDiffusion3Pipeline":
-        state = sd3_to_original(pipe.transformer.state_dict())
-        state.update(vae_to_original(pipe.vae.state_dict(), len(pipe.vae.config.down_block_types)))
+        state = flux_to_original(pipe.transformer.state_dict())
+    elif kind == "StableDiffusion3Pipeline":
         from serve_app.engine.checkpoint_file import TEXT_ENCODERS
 
+        state = sd3_to_original(pipe.transformer.state_dict())
         for name, (layout, prefix) in TEXT_ENCODERS["sd3"].items():  # CLIP-L, CLIP-G, T5
             part = getattr(pipe, name).state_dict()
-            t5 = layout == "t5"
-            state.update(t5_to_original(part, prefix) if t5 else text_encoder_to_original(part, prefix))
-        return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-    if kind not in ("StableDiffusionPipeline", "StableDiffusionXLPipeline"):
+            state.update(
+                t5_to_original(part, prefix) if layout == "t5" else text_encoder_to_original(part, prefix)
+            )
+    elif kind == "StableDiffusionXLPipeline":
+        state = unet_to_original(pipe.unet.state_dict(), pipe.unet.config.layers_per_block)
+        state.update(text_encoder_to_original(pipe.text_encoder.state_dict(), SDXL_TEXT))
+        state.update(open_clip_to_original(pipe.text_encoder_2.state_dict()))
+    elif kind == "StableDiffusionPipeline":
+        state = unet_to_original(pipe.unet.state_dict(), pipe.unet.config.layers_per_block)
+        state.update(text_encoder_to_original(pipe.text_encoder.state_dict()))
+    else:
         raise ValueError(
             f"only Stable Diffusion 1.x, SDXL, SD3 and FLUX pipelines are written; this is a {kind}"
         )
-    state = unet_to_original(pipe.unet.state_dict(), pipe.unet.config.layers_per_block)
-    state.update(vae_to_original(pipe.vae.state_dict(), len(pipe.vae.config.down_block_types)))
-    if kind == "StableDiffusionXLPipeline":
-        state.update(text_encoder_to_original(pipe.text_encoder.state_dict(), SDXL_TEXT))
-        state.update(open_clip_to_original(pipe.text_encoder_2.state_dict()))
-    else:
-        state.update(text_encoder_to_original(pipe.text_encoder.state_dict()))
+    if not kind.startswith("Flux"):
+        state.update(vae_to_original(pipe.vae.state_dict(), len(pipe.vae.config.down_block_types)))
     return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
 
 

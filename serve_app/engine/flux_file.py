@@ -60,7 +60,9 @@ _SWAPPED = "final_layer.adaLN_modulation.1"
 PREFIX = "model.diffusion_model."  # ComfyUI's files put the transformer under it; BFL's do not
 
 
-def _swap_halves(t: torch.Tensor) -> torch.Tensor:
+def swap_halves(t: torch.Tensor) -> torch.Tensor:
+    """An adaptive norm's projection with its two halves swapped: the original (FLUX's, SD3's)
+    splits it into shift then scale, diffusers into scale then shift (its own inverse)."""
     a, b = t.chunk(2, dim=0)
     return torch.cat([b, a])
 
@@ -99,7 +101,7 @@ def flux_to_original(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 out[where + _param(renames[inner], kind, True)] = value
         else:
             name = _TOP[module]
-            out[f"{name}.{kind}"] = _swap_halves(value) if name == _SWAPPED else value
+            out[f"{name}.{kind}"] = swap_halves(value) if name == _SWAPPED else value
     out.update({k: torch.cat(v) for k, v in fused.items()})
     return out
 
@@ -127,5 +129,5 @@ def flux_from_original(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor
             elif inner in renames:
                 out[where + _param(renames[inner], "weight" if kind == "scale" else kind, False)] = value
         elif module in top:
-            out[f"{top[module]}.{kind}"] = _swap_halves(value) if module == _SWAPPED else value
+            out[f"{top[module]}.{kind}"] = swap_halves(value) if module == _SWAPPED else value
     return out
