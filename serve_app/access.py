@@ -20,7 +20,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 
 from serve_app.config import AuthConfig
-from serve_app.errors import Forbidden, PayloadTooLarge, ServingError, Unauthorized
+from serve_app.errors import Forbidden, InvalidRequest, PayloadTooLarge, ServingError, Unauthorized
+from serve_app.schemas import odd_json
 
 # Routes anyone may call, keys or not: probes and the static playground page.
 OPEN_ROUTES = {("GET", "/health"), ("GET", "/live"), ("GET", "/"), ("HEAD", "/health"), ("HEAD", "/live")}
@@ -88,8 +89,8 @@ class AccessPolicy:
         """Any route: with keys configured, a valid user or admin key (401 otherwise)."""
         if not self.keys_required or (method, path) in OPEN_ROUTES:
             return None
-        if method == "GET" and path.startswith(SIGNED_PREFIX):
-            return None
+        if path in {p for _, p in OPEN_ROUTES} or path.startswith(SIGNED_PREFIX):
+            return None  # open paths have only open routes: another method is the router's 405
         key = self._bearer(authorization)
         if key is None:
             return Unauthorized("missing API key: send 'Authorization: Bearer <key>'")
@@ -170,7 +171,8 @@ async def require_admin(request: Request) -> None:
 
 class BodyLimit:
     """ASGI middleware: a request body over the limit gets 413 before anything parses it,
-    whether it declares its length or streams in chunks."""
+    whether it declares its length or streams in chunks; a JSON body holding a value no field
+    takes (a lone surrogate in a key or a value, NaN, Infinity) gets a 400 naming where."""
 
     def __init__(self, app, max_bytes: int | None = None):
         self.app = app
@@ -210,6 +212,14 @@ class BodyLimit:
                 return await error_response(too_large, path=scope.get("path", ""))(scope, receive, send)
             if not message.get("more_body", False):
                 break
+
+        ctype = next((v for k, v in scope.get("headers", ()) if k == b"content-type"), b"")
+        if ctype.split(b";")[0].strip().lower() in (b"application/json", b""):
+            odd = odd_json(b"".join(m.get("body", b"") for m in messages if m["type"] == "http.request"))
+            if odd is not None:
+                where = odd[0].lstrip(".") or "body"
+                err = InvalidRequest(f"{where}: {odd[1]}", param=where)
+                return await error_response(err, path=scope.get("path", ""))(scope, receive, send)
 
         async def replay():
             return messages.pop(0) if messages else await receive()

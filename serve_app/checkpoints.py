@@ -25,12 +25,11 @@ from serve_app.layouts import (
     PICKLE_SUFFIXES,
     SAFETENSORS_SUFFIX,
     FileRefused,
-    loadable_layout,
-    safetensors_keys,
+    file_layout,
 )
 from serve_app.lora import Registry, shown_path
 
-CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
 
 # What huggingface_hub's `validate_repo_id` accepts, in the `org/name` form only: each part
 # starts and ends with a letter, digit or '_', at most 96 characters, no '--' or '..'.
@@ -42,9 +41,10 @@ MAX_INDEX_BYTES = 2**20
 
 
 def check_checkpoint_name(name: str) -> None:
-    if not isinstance(name, str) or not CHECKPOINT_NAME.match(name):
+    if not isinstance(name, str) or not CHECKPOINT_NAME.fullmatch(name):
         raise InvalidRequest(
-            "name: 1-128 characters of letters, digits, '.', '_' or '-' (no '/': a name is not a path)",
+            "name: 1-128 characters of letters, digits, '.', '_' or '-', not starting with '.' "
+            "(no '/', '.' or '..': a name is not a path)",
             param="name",
         )
 
@@ -112,7 +112,7 @@ def _single_file_class(path: Path, shown: str) -> str:
     if path.suffix != SAFETENSORS_SUFFIX:  # diffusers reads any other name (.SAFETENSORS too) as a pickle
         raise _refuse(f"{shown!r} is neither a diffusers pipeline directory nor a .safetensors checkpoint")
     try:
-        return LAYOUTS[loadable_layout(safetensors_keys(path))][1]
+        return LAYOUTS[file_layout(path)][1]
     except FileRefused as e:
         raise _refuse(f"{shown!r} {e}") from None
 

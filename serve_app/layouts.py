@@ -10,12 +10,17 @@ and its tensor names tell the layout of a single-file checkpoint, before anythin
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 # Weights in Python's pickle format (torch.save's): loading one runs the code it carries.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 SAFETENSORS_SUFFIX = ".safetensors"
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own bound
+# A header past this is read in a process of its own (`file_layout`): parsing it holds the
+# interpreter's lock for seconds (35 MB: 1.5 s), which would stall every thread of the caller.
+LARGE_HEADER_BYTES = 8 * 2**20
 
 PICKLE_REASON = "loading a pickle runs the code it carries, so only .safetensors weights are loaded"
 
@@ -142,6 +147,26 @@ def loadable_layout(keys: list[str]) -> str:
     return layout
 
 
+def file_layout(path: str | Path) -> str:
+    """`loadable_layout` of a safetensors file's tensor names. A header larger than real models'
+    (`LARGE_HEADER_BYTES`) is read by a child process, so the caller's other threads (an
+    ingress's event loop) go on meanwhile; FileRefused either way."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+    if not LARGE_HEADER_BYTES < n <= min(MAX_HEADER_BYTES, Path(path).stat().st_size - 8):
+        return loadable_layout(safetensors_keys(path))  # small, or refused without reading it
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "serve_app.layouts", str(path)], capture_output=True, timeout=300
+        )
+        answer = json.loads(done.stdout or b"{}")
+    except (subprocess.TimeoutExpired, ValueError, OSError):
+        answer = {}
+    if "layout" in answer:
+        return answer["layout"]
+    raise FileRefused(answer.get("refused", "could not be read (its header is too large to read here)"))
+
+
 def missing_part(layout: str, keys: list[str]) -> str | None:
     """Why a file of a loadable layout is not a whole checkpoint (a part of it absent); None if
     every part is there."""
@@ -151,3 +176,10 @@ def missing_part(layout: str, keys: list[str]) -> str | None:
                 f"holds no {part} weights (no {prefix}* tensors); not a whole {LAYOUTS[layout][0]} checkpoint"
             )
     return None
+
+
+if __name__ == "__main__":  # `file_layout`'s reader of a large header: its answer as JSON
+    try:
+        print(json.dumps({"layout": loadable_layout(safetensors_keys(sys.argv[1]))}))
+    except FileRefused as e:
+        print(json.dumps({"refused": str(e)}))

@@ -32,7 +32,7 @@ NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 def check_name(name: str) -> str:
-    if not NAME_PATTERN.match(name):
+    if not NAME_PATTERN.fullmatch(name):
         raise InvalidRequest(
             "name: 1-64 characters of letters, digits, '.', '_' or '-', starting with a letter or digit",
             param="name",

@@ -29,6 +29,7 @@ class FaultInjection:
 
     _broken: bool = False
     _fatal_token: str | None = None
+    _fault_left: bool = False  # the self-test after an injected failure fails too
 
     @exported
     def ping(self, value=None):
@@ -62,10 +63,19 @@ class FaultInjection:
             if OOM_MARKER in row.prompt:
                 raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB (injected)")
             if FAIL_MARKER in row.prompt:
+                # An engine fault, not the request's: the self-test that judges it fails too
+                # (replica/health.py), so it is a counted engine failure.
+                self._fault_left = True
                 raise RuntimeError("injected engine failure")
             if FATAL_MARKER in row.prompt:
                 raise RuntimeError(FATAL_ERROR)
         return super().run(rows, params, _slowed(rows, step_hook))
+
+    def self_test(self):
+        if self._broken or self._fault_left:
+            self._fault_left = False
+            raise RuntimeError("injected engine failure (the self-test)")
+        return super().self_test()
 
     def _row_call(self, row, params, step_hook, stand_in):  # a row's part of a joined call
         return super()._row_call(row, params, _slowed([row], step_hook), stand_in)
@@ -115,7 +125,9 @@ class FakeEngine:
         self.default_width = cfg.default_width or 16
         self.calls: list[int] = []  # rows of every pipeline call, in order
         self.broken = False  # every call and the self-test fail
-        self.fail_next = 0  # the next n calls fail
+        self.fail_next = 0  # the next n calls fail (a self-test after them works: their requests' fault)
+        self.self_test_fails_next = 0  # the next n self-tests fail too (the engine's fault)
+        self.self_tests = 0
         self.fatal_next = False  # the next call fails as a poisoned device does
         self.loras: set[str] = set()
         self.read_delay_s = 0.0  # each adapter read takes this long
@@ -167,7 +179,9 @@ class FakeEngine:
         self.loras.discard(name)
 
     def self_test(self) -> None:
-        if self.broken:
+        self.self_tests += 1
+        if self.broken or self.self_test_fails_next:
+            self.self_test_fails_next = max(0, self.self_test_fails_next - 1)
             raise RuntimeError("injected broken engine")
 
     def run(self, rows, params, step_hook=None):

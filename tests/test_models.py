@@ -333,6 +333,42 @@ def test_bad_checkpoints_are_refused_and_the_replicas_keep_their_ids(
     assert body["name"] not in {c["name"] for c in client.get(f"{P}/v1/checkpoints").json()["checkpoints"]}
 
 
+def test_a_checkpoint_s_header_is_read_off_the_event_loop(multi, client, checkpoints):
+    """Issue 60: a large safetensors header (up to 100 MB of JSON) once stalled every route of the
+    ingress, `/live` too, while a registration read it. Now `/live` answers throughout."""
+    import json
+    import struct
+    import threading
+
+    tensors = {f"t{i}": {"dtype": "F16", "shape": [1], "data_offsets": [0, 0]} for i in range(400_000)}
+    raw = json.dumps(tensors).encode()  # about 35 MB, read here in well over a second
+    big = checkpoints / "big-header.safetensors"
+    big.write_bytes(struct.pack("<Q", len(raw)) + raw)
+    answer: list = []
+
+    def register():
+        t = time.monotonic()
+        r = client.post(f"{P}/v1/checkpoints", json={"name": "big-header", "source": str(big)})
+        answer.append((r, time.monotonic() - t))
+
+    thread = threading.Thread(target=register)
+    live: list[float] = []
+    try:
+        thread.start()
+        while thread.is_alive():
+            t = time.monotonic()
+            assert client.get(f"{P}/live").status_code == 200
+            live.append(time.monotonic() - t)
+            time.sleep(0.02)
+        thread.join()
+    finally:
+        big.unlink()
+    r, took = answer[0]
+    assert r.status_code == 400 and r.json()["error"]["param"] == "source", r.text  # no known layout
+    assert took > 0.8, f"the header read in {took:.2f}s: too quick to show anything"
+    assert len(live) >= 3 and max(live) < took / 2, (took, live)
+
+
 def test_a_hot_model_keeps_serving_while_a_checkpoint_loads(multi, client):
     """Not a timing assertion (benchmarks/bench_models.py measures it): a request for the
     pool's own model sent while a checkpoint loads is answered, and the load happens once."""

@@ -50,7 +50,7 @@ def test_soak_mixed_traffic_no_unexpected_errors_and_flat_memory(keyed_app, base
                 if kind == "invalid":
                     body["size"] = f"{side + 3}x{side}"
                     r = http.post("/v1/images/generations", json=body)
-                    ok = r.status_code == 400 and r.json()["error"]["param"] == "width"
+                    ok = r.status_code == 400 and r.json()["error"]["param"] == "size"  # the field it sent
                     key = "invalid"
                 elif kind == "abort":
                     rid = f"soak-{i}"

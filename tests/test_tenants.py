@@ -170,6 +170,7 @@ async def _enter(tenants, request, wait):
 # ---------------------------------------------------------------- over HTTP and the handle
 
 KEY_A, KEY_B, KEY_Q, ADMIN = "tenant-a-key-1", "tenant-b-key-2", "tenant-q-key-3", "tenant-admin-9"
+KEY_N = "tenant-n-key-4"
 APP = "tenants"
 P = f"/{APP}"
 GEN = f"{P}/v1/images/generations"
@@ -187,6 +188,7 @@ def tenants_app(ray_cluster):
         {"name": "team-a", "api_keys": [KEY_A], "max_concurrent": 2},
         {"name": "team-b", "api_keys": [KEY_B], "images_per_minute": 2},
         {"name": "team-q", "api_keys": [KEY_Q], "max_queued": 0},
+        {"name": "team-n", "api_keys": [KEY_N], "images_per_minute": 3},
         {"name": "heavy", "weight": 3},
         {"name": "light", "weight": 1},
     ]
@@ -252,6 +254,34 @@ def test_quotas_over_http_are_429s_that_never_count_against_the_replica(tenants_
     mine = status(base_url, KEY_A)
     assert [t["tenant"] for t in mine["tenants"]] == ["team-a"]  # a user key sees its own tenant only
     assert all(set(r["tenants"]) <= {"team-a"} for r in mine["replicas"])
+
+
+@pytest.mark.slow
+def test_a_request_that_cannot_fit_its_quota_is_refused_before_any_work(tenants_app, base_url):
+    """Issue 60: A1111's `n_iter` is judged as a whole before its first iteration runs, and a job
+    that could never fit is a 400 at once, as the same request without `Prefer` is."""
+    auth = {"Authorization": f"Bearer {KEY_N}"}
+
+    def accepted() -> int:
+        return status(base_url, ADMIN)["replicas"][0]["counts"].get("accepted", 0)
+
+    def a1111(**body) -> httpx.Response:
+        body = {"prompt": "a red circle", "steps": 2, **body}
+        return httpx.post(f"{base_url}{P}/sdapi/v1/txt2img", json=body, headers=auth, timeout=120)
+
+    before = accepted()
+    never = a1111(n_iter=2, batch_size=2)  # 4 images, the tenant's minute holds 3
+    assert never.status_code == 400 and never.json()["error"]["param"] == "n_iter", never.text
+    assert "n_iter 2 × batch_size 2" in never.json()["error"]["message"]
+    for prefer in ({}, {"Prefer": "respond-async"}):
+        r = httpx.post(base_url + GEN, json={"prompt": "x", "n": 4}, headers={**auth, **prefer}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "images_per_minute", (prefer, r.text)
+    ran = a1111(n_iter=3)  # the whole minute, taken before the first iteration runs
+    assert ran.status_code == 200 and len(ran.json()["images"]) == 3, ran.text[:300]
+    again = a1111(n_iter=3)  # refused whole: no iteration runs and is thrown away
+    assert again.status_code == 429 and again.json()["error"]["param"] == "images_per_minute", again.text
+    assert int(again.headers["Retry-After"]) >= 1
+    assert accepted() == before + 3  # only the three iterations that were answered
 
 
 @pytest.mark.slow

@@ -7,6 +7,8 @@ Each refusal is a ValueError whose message starts with the request's field.
 from __future__ import annotations
 
 import inspect
+import math
+import re
 import typing
 from typing import Any
 
@@ -95,15 +97,31 @@ class CallChecks:
         out = {}
         for name, value in extra.items():
             adapter = args[name]
-            if adapter is None:
-                out[name] = value
-                continue
             try:
-                out[name] = adapter.validate_python(value)
+                out[name] = value if adapter is None else adapter.validate_python(value)
             except Exception as e:
                 errors = getattr(e, "errors", lambda: [])()
                 why = errors[0]["msg"] if errors else str(e)
                 raise ValueError(f"extra.{name}: {why} (got {value!r:.60})") from None
+            _check_schedule(name, out[name])
+        return out
+
+    def edit_strength(self) -> dict[str, dict[str, Any]]:
+        """For each task whose pipeline takes `strength`: its default there and whether it runs
+        `int(steps × strength)` denoising steps (SD, SDXL: fewer than one runs none, and the call
+        fails) rather than at least one (FLUX, SD3). Read from the pipeline's own code."""
+        out = {}
+        for task, pipe in self.task_pipes.items():
+            param = inspect.signature(pipe.__call__).parameters.get("strength")
+            if param is None:
+                continue
+            try:
+                source = inspect.getsource(type(pipe).get_timesteps)
+            except (AttributeError, OSError, TypeError):
+                source = ""
+            whole = re.search(r"int\(\s*num_inference_steps\s*\*\s*strength\s*\)", source) is not None
+            default = param.default if isinstance(param.default, int | float) else 1.0
+            out[task] = {"default": float(default), "whole_steps": whole}
         return out
 
     def check_embeds(self, embeds: torch.Tensor, pooled: torch.Tensor | None = None, which: str = "") -> None:
@@ -153,3 +171,17 @@ class CallChecks:
                                    ("vae_use_tiling", vae_tiling, "enable_tiling")):  # fmt: skip
             if flag and not hasattr(vae, method):
                 raise ValueError(f"{name}: the VAE of {type(self.pipe).__name__} cannot do this")
+
+
+def _check_schedule(name: str, value: Any) -> None:
+    """A custom schedule (`sigmas`, `timesteps`) sets the steps the call runs: it needs at least
+    one, each a finite number (a scheduler given none fails deep inside the pipeline)."""
+    if not (name.endswith("sigmas") or name.endswith("timesteps")) or value is None:
+        return
+    if not isinstance(value, list | tuple):
+        return  # a tensor or a scheduler's own type: the pipeline's to judge
+    if not value:
+        raise ValueError(f"extra.{name}: an empty schedule runs no step; give at least one value")
+    for i, v in enumerate(value):
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+            raise ValueError(f"extra.{name}[{i}]: must be a finite number (got {v!r:.30})")

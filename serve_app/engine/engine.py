@@ -198,6 +198,7 @@ class DiffusionEngine:
             "default_num_frames": self.default_num_frames,
             "default_fps": self.cfg.default_fps if self.video else None,
             "frame_rule": list(fam.frame_rule) if fam.frame_rule else None,
+            "edit_strength": self._checks.edit_strength(),
             "scheduler": type(self.pipe.scheduler).__name__,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import re
 from typing import Any
 
@@ -28,7 +29,15 @@ from serve_app.ingress.openapi import ERRORS
 from serve_app.ingress.ops import models as list_models
 from serve_app.lora import shown_path
 from serve_app.sampling import AUTOMATIC, SIGMA_SCHEDULES, schedule_label
-from serve_app.schemas import GenerationRequest, LoraRef, ModelDescription, PreparedRequest, new_request_id
+from serve_app.schemas import (
+    LORA_NAME_CHARS,
+    LORA_SCALE,
+    GenerationRequest,
+    LoraRef,
+    ModelDescription,
+    PreparedRequest,
+    new_request_id,
+)
 from serve_app.schemas.a1111 import (
     NOT_DONE,
     A1111Images,
@@ -52,6 +61,7 @@ _A1111_NAMES = {
     "sampler": "sampler_name", "sigma_schedule": "scheduler", "model": CHECKPOINT, "loras": "prompt",
     "lora": "prompt", "size": "width",
 }  # fmt: skip
+_RATES = ("images_per_minute", "image_steps_per_minute")
 _TAG = re.compile(r"<lora:([^<>]*)>", re.IGNORECASE)
 
 
@@ -84,9 +94,18 @@ def take_loras(prompt: str, registered: dict[str, Any] | None) -> tuple[str, lis
         try:
             scale = float(rest[0]) if rest else None
         except ValueError:
+            scale = math.nan
+        if scale is not None and not (math.isfinite(scale) and LORA_SCALE[0] <= scale <= LORA_SCALE[1]):
             raise InvalidRequest(
-                f"prompt: <lora:{body}>: the weight {rest[0]!r} is not a number", param="prompt"
-            ) from None
+                f"prompt: <lora:{name[:64]}>: the weight {rest[0][:32]!r} is not a number from "
+                f"{LORA_SCALE[0]:g} to {LORA_SCALE[1]:g}",
+                param="prompt",
+            )
+        if len(name) > LORA_NAME_CHARS:
+            raise InvalidRequest(
+                f"prompt: <lora:{name[:64]}...>: an adapter's name has at most {LORA_NAME_CHARS} characters",
+                param="prompt",
+            )
         if registered is not None and name not in registered:
             known = ", ".join(sorted(registered)) or "none"
             raise NotFound(
@@ -212,7 +231,15 @@ async def generate(core: Core, desk, body, http: Request) -> A1111Images:
     ]
     job = "img2img" if isinstance(body, Img2ImgRequest) else "txt2img"
     task = Task(caller=first.owner, request_ids=[r.request_id for r in iterations], job=job)
-    results = await desk.run(core, task, iterations, preview_every(first.num_inference_steps))
+    try:  # every iteration's share of the tenant's rates taken before the first runs
+        place = core.tenants.admit(first, times=body.n_iter)
+        async with place:
+            results = await desk.run(core, task, iterations, preview_every(first.num_inference_steps))
+    except InvalidRequest as e:  # more than a minute of the tenant's rates: never, so a 400 now
+        if body.n_iter > 1 and e.param in _RATES:
+            e.message += f" (n_iter {body.n_iter} × batch_size {body.batch_size} images)"
+            e.param = "n_iter"
+        raise a1111_error(e) from None
     seeds = [s for r in results for s in r.seeds]
     sampler = first.sampler or info.default_sampler or str(getattr(info, "scheduler", ""))
     used = {

@@ -68,7 +68,8 @@ class A1111Desk:
         self, core, task: Task, iterations: list[PreparedRequest], every: int
     ) -> list[GenerationResult]:
         """The task's requests one after another, streamed so that `progress` can follow them;
-        an interrupt ends it with the results made so far."""
+        an interrupt ends it with the results made so far. The caller holds the tenant's place
+        for all of them (`Tenants.admit` with `times`)."""
         results: list[GenerationResult] = []
         self._tasks.setdefault(task.caller, []).append(task)
         try:
@@ -77,7 +78,7 @@ class A1111Desk:
                     break
                 task.job_no, task.step, task.steps = i, 0, request.num_inference_steps
                 try:
-                    async for event in core.stream(request, every):
+                    async for event in core.stream(request, every, admitted=True):
                         if isinstance(event, StepEvent):
                             task.step, task.steps = event.step, event.total_steps
                             task.preview = event.preview_png or task.preview

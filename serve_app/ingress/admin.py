@@ -14,6 +14,7 @@ from serve_app.ingress.models import ServedModel
 from serve_app.ingress.openapi import ADMIN, ERRORS
 from serve_app.lora import check_adapter_file, check_name, shown_path
 from serve_app.schemas import LoraAdd, LoraPin, Outcome, ProfileStart, RpcCall
+from serve_app.schemas.control import TRACE_PREFIX_REGEX
 
 
 def _entry(core: Core, name: str, entry: dict[str, Any]) -> dict[str, Any]:
@@ -86,7 +87,7 @@ async def list_loras(core: Core) -> dict[str, Any]:
 
 async def start_profile(core: Core, prefix: str = "trace") -> list[Outcome]:
     """Every live replica starts the torch profiler; per-replica outcomes."""
-    if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", prefix):
+    if not re.fullmatch(TRACE_PREFIX_REGEX, prefix):  # the document's pattern
         raise InvalidRequest("prefix: 1-64 letters, digits, '.', '_' or '-'", param="prefix")
     return await core.fan_out("start_profile", prefix)
 

@@ -3,6 +3,7 @@ inside the allowed roots, safetensors only, a diffusers pipeline of the pool's f
 loaded once on one of the pool's replicas), list, pin and remove. Changing it needs an admin
 key; listing it is open to any caller."""
 
+import asyncio
 from typing import Any
 
 from fastapi import APIRouter
@@ -36,7 +37,10 @@ async def add_checkpoint(
         raise InvalidRequest(f"name: {name!r} is a model's name already", param="name")
     served = models.pool(pool)
     settings = core.cfg.checkpoints
-    resolved, cls = check_checkpoint_source(source, settings.allowed_roots, settings.allow_hub)
+    # Off the event loop: a single file's header (up to 100 MB of JSON) takes seconds to read.
+    resolved, cls = await asyncio.to_thread(
+        check_checkpoint_source, source, settings.allowed_roots, settings.allow_hub
+    )
     if name in models.checkpoints.all():
         raise InvalidRequest(f"name: a checkpoint named {name!r} is already registered", param="name")
     await served.ensure_ready()

@@ -7,6 +7,7 @@ the configuration (limits) or on the model's description (its tasks, modality, f
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 from fastapi import Request
@@ -22,6 +23,8 @@ from serve_app.schemas import (
     GenerationParams,
     GenerationRequest,
     ModelDescription,
+    PreparedRequest,
+    odd_json,
 )
 
 
@@ -140,6 +143,31 @@ def check_media(req: GenerationParams, info: ModelDescription, limits: Limits) -
         )
 
 
+def check_edit_steps(req: PreparedRequest, info: ModelDescription) -> None:
+    """An edit runs the last `strength` of its steps; where the pipeline counts whole steps
+    (`int(steps × strength)`, SD and SDXL) fewer than one would run none, and is refused here
+    rather than failing inside the pipeline."""
+    rule = info.edit_strength.get(req.task)
+    if not rule or not rule.get("whole_steps"):
+        return
+    steps = req.num_inference_steps
+    strength = req.strength if req.strength is not None else rule["default"]
+    if int(steps * strength) >= 1:
+        return
+    more = ""
+    if strength >= 1e-6:  # else no number of steps would do
+        least = math.ceil(1 / strength)
+        while int(least * strength) < 1:
+            least += 1
+        more = f" or num_inference_steps to at least {least}"
+    given = "" if req.strength is not None else " (the default)"
+    raise InvalidRequest(
+        f"strength: {strength:g}{given} of {steps} steps runs no denoising step: {info.model} runs "
+        f"int(num_inference_steps × strength) steps; raise strength to at least {1 / steps:.3g}{more}",
+        param="strength",
+    )
+
+
 def check_sampler(req: GenerationParams, info: ModelDescription) -> tuple[str | None, str | None]:
     """The request's sampler and sigma schedule by the model's names for them, if the model
     offers them (a 400 naming the field and listing what it offers otherwise)."""
@@ -152,7 +180,7 @@ def check_sampler(req: GenerationParams, info: ModelDescription) -> tuple[str | 
 
 
 def check_path_id(request_id: str) -> None:
-    if not REQUEST_ID_PATTERN.match(request_id):
+    if not REQUEST_ID_PATTERN.fullmatch(request_id):
         raise InvalidRequest(
             "request_id: must be 1-128 characters of letters, digits, '.', '_', ':' or '-'",
             param="request_id",
@@ -200,6 +228,8 @@ async def _form_fields(form) -> dict[str, Any]:
                 out[key] = json.loads(data)
             except ValueError:
                 raise InvalidRequest(f"{key}: a JSON object in a form field", param=key) from None
+            if (odd := odd_json(data.encode("utf-8", "surrogatepass"))) is not None:
+                raise InvalidRequest(f"{key}{odd[0]}: {odd[1]}", param=f"{key}{odd[0]}")
         else:
             out[key] = data
     if images:

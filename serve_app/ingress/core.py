@@ -21,7 +21,14 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponse
 from serve_app.access import AccessPolicy, servable
 from serve_app.config import AppConfig
 from serve_app.errors import DeadlineExceeded, InvalidRequest, ServingError, Unavailable
-from serve_app.ingress.checks import check_limits, check_media, check_sampler, edit_task, validated
+from serve_app.ingress.checks import (
+    check_edit_steps,
+    check_limits,
+    check_media,
+    check_sampler,
+    edit_task,
+    validated,
+)
 from serve_app.ingress.failures import backoff, call_error, gave_up, not_ready
 from serve_app.ingress.models import Models, ServedModel
 from serve_app.ingress.tenants import Tenants
@@ -109,7 +116,7 @@ class Core:
             image, mask = PixelPayload.from_pil(rgb), PixelPayload.from_pil(m) if m is not None else None
         elif request.strength is not None:
             raise InvalidRequest("strength: only an edit (with an image) takes it", param="strength")
-        return PreparedRequest.from_request(
+        prepared = PreparedRequest.from_request(
             request,
             request_id=_request_id(),
             seed=self._rng.randrange(MAX_SEED),
@@ -132,6 +139,8 @@ class Core:
             tenant=tenant.name,
             tenant_weight=tenant.cfg.weight,
         )
+        check_edit_steps(prepared, info)
+        return prepared
 
     def target(self, request: PreparedRequest) -> ServedModel:
         """The deployment a prepared request goes to (a handle caller's with no model: the default)."""
@@ -310,7 +319,7 @@ def _request_id() -> str:
     (the proxy's guard refused any other form). Our id, Serve's access logs and the response
     header agree."""
     rid = serve.context._get_serve_request_context().request_id
-    return rid if rid and REQUEST_ID_PATTERN.match(rid) else new_request_id()
+    return rid if rid and REQUEST_ID_PATTERN.fullmatch(rid) else new_request_id()
 
 
 async def get_core() -> Core:

@@ -8,6 +8,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from ray.serve.exceptions import DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from serve_app.access import BodyLimit, check_api_key, error_response
 from serve_app.errors import InvalidRequest, NotFound, ServingError
@@ -30,11 +31,52 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> JS
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    """FastAPI's own refusals (unknown route, wrong method) in the project's error body."""
+    """FastAPI's own refusals (unknown route, wrong method) in the project's error body, with
+    their headers; a 405's `Allow` lists every method of the path (RFC 9110), not only those of
+    the one route Starlette tried."""
     kinds = {404: NotFound, 405: InvalidRequest}
     err = kinds.get(exc.status_code, InvalidRequest)(f"{request.method} {request.url.path}: {exc.detail}")
     err.status_code = exc.status_code
-    return error_response(err, path=request.url.path)
+    headers = {**(err.headers() or {}), **(exc.headers or {})}
+    if exc.status_code == 405:
+        headers["Allow"] = ", ".join(allowed_methods(request))
+    return error_response(err, headers, path=request.url.path)
+
+
+_METHODS = ("DELETE", "GET", "PATCH", "POST", "PUT")  # those a route here may declare
+
+
+def allowed_methods(request: Request) -> list[str]:
+    """The methods some route of the app takes at this request's path (each route matches a
+    method in full, whatever the nesting of routers); HEAD wherever GET is (`HeadAsGet`)."""
+    routes = request.app.router.routes
+    methods = {
+        m
+        for m in _METHODS
+        if any(route.matches({**request.scope, "method": m})[0] == Match.FULL for route in routes)
+    }
+    if "GET" in methods:
+        methods.add("HEAD")
+    return sorted(methods)
+
+
+class HeadAsGet:
+    """ASGI middleware: HEAD is answered as GET is, without the body (RFC 9110, 9.3.2), on every
+    GET route; FastAPI's routes take only the methods they declare."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            return await self.app(scope, receive, send)
+
+        async def headless(message):
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headless)
 
 
 async def _no_replica(request: Request, exc: DeploymentUnavailableError) -> JSONResponse:
@@ -56,7 +98,8 @@ def make_app() -> FastAPI:
     )
     fastapi_app.middleware("http")(check_api_key)
     fastapi_app.add_middleware(BodyLimit)
-    fastapi_app.add_middleware(RequestIdGuard)  # outermost: a malformed X-Request-Id goes no further
+    fastapi_app.add_middleware(RequestIdGuard)  # a malformed X-Request-Id goes no further
+    fastapi_app.add_middleware(HeadAsGet)  # outermost: HEAD is GET to everything inside
     for exc_type, handler in (
         (ServingError, _serving_error),
         (RequestValidationError, _validation_error),

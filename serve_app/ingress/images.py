@@ -19,13 +19,14 @@ from serve_app.schemas import (
     ImagesEditRequest,
     ImagesGenerationRequest,
     ImagesResponse,
+    Job,
     VideosGenerationRequest,
 )
 
 router = APIRouter()
 
 
-@router.post("/v1/images/generations", response_model=ImagesResponse, responses=IMAGE_RESPONSES)
+@router.post("/v1/images/generations", response_model=ImagesResponse | Job, responses=IMAGE_RESPONSES)
 async def images_generations(
     body: ImagesGenerationRequest,
     http: Request,
@@ -35,7 +36,7 @@ async def images_generations(
     return await generate(core, desk, body, http, "images.generations")
 
 
-@router.post("/v1/images/generations/batch", response_model=ImagesResponse, responses=IMAGE_RESPONSES)
+@router.post("/v1/images/generations/batch", response_model=ImagesResponse | Job, responses=IMAGE_RESPONSES)
 async def images_generations_batch(
     body: ImagesBatchRequest, http: Request, core: CoreDep, desk: DeskDep
 ) -> Response:
@@ -44,11 +45,14 @@ async def images_generations_batch(
 
 @router.post(
     "/v1/images/edits",
-    response_model=ImagesResponse,
+    response_model=ImagesResponse | Job,
     responses=IMAGE_RESPONSES,
     openapi_extra={"requestBody": {"required": True, "content": {
-        kind: {"schema": {"$ref": "#/components/schemas/ImagesEditRequest"}}
-        for kind in ("multipart/form-data", "application/json")
+        "multipart/form-data": {
+            "schema": {"$ref": "#/components/schemas/ImagesEditRequestForm"},
+            "encoding": {name: {"contentType": "application/json"} for name in ("extra", "lora")},
+        },
+        "application/json": {"schema": {"$ref": "#/components/schemas/ImagesEditRequest"}},
     }}},
 )  # fmt: skip
 async def images_edits(request: Request, core: CoreDep, desk: DeskDep) -> Response:
@@ -57,7 +61,7 @@ async def images_edits(request: Request, core: CoreDep, desk: DeskDep) -> Respon
     return await generate(core, desk, edit, request, "images.edits", "image_edit")
 
 
-@router.post("/v1/videos", response_model=ImagesResponse, responses=IMAGE_RESPONSES)
+@router.post("/v1/videos", response_model=ImagesResponse | Job, responses=IMAGE_RESPONSES)
 async def videos_generations(
     body: VideosGenerationRequest,
     http: Request,

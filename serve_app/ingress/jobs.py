@@ -8,7 +8,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serve_app import webhooks
@@ -17,10 +17,10 @@ from serve_app.errors import Conflict, Forbidden, InvalidRequest, NotFound, Over
 from serve_app.ingress import sse
 from serve_app.ingress.core import Core
 from serve_app.ingress.links import Links
-from serve_app.ingress.openapi import ERRORS
+from serve_app.ingress.openapi import ERRORS, FILE_RESPONSES
 from serve_app.ingress.requests import request_status
 from serve_app.jobs import JobRunner, Store, body_hash, job_id_for, new_job_request_id, signature_ok
-from serve_app.schemas import Job, JobList, JobRecord, WebhookDelivery
+from serve_app.schemas import DeletedJob, Job, JobList, JobRecord, WebhookDelivery
 
 _EVENTS_MAX_S = 600  # one job event stream; then the client reconnects
 JOB_ID = re.compile(r"job_[0-9a-f]{32}")
@@ -94,6 +94,7 @@ class JobDesk:
         prepared = (await self.core.prepare(request)).model_copy(
             update={"request_id": new_job_request_id(), "owner": caller}
         )
+        self.core.tenants.check_fits(prepared)  # one that could never run is a 400 now, as without a job
         waiting = sum(
             1 for j in self.runner.jobs.values() if j.tenant == prepared.tenant and j.state == "queued"
         )
@@ -228,10 +229,10 @@ router = APIRouter()
 
 
 @router.get("/v1/jobs", response_model=JobList, responses=ERRORS)
-async def list_jobs(http: Request, desk: DeskDep, limit: int = 20) -> JobList:
+async def list_jobs(
+    http: Request, desk: DeskDep, limit: Annotated[int, Query(ge=1, le=1000)] = 20
+) -> JobList:
     """The caller's jobs, newest first."""
-    if not 1 <= limit <= 1000:
-        raise InvalidRequest("limit: 1..1000", param="limit")
     desk.runner.start()
     caller = desk.core.caller(http)
     mine = [j for j in await asyncio.to_thread(desk.store.jobs) if j.caller == caller]
@@ -252,7 +253,7 @@ async def get_job(job_id: str, http: Request, desk: DeskDep) -> Job:
     return public
 
 
-@router.get("/v1/jobs/{job_id}/content/{index}", responses=ERRORS)
+@router.get("/v1/jobs/{job_id}/content/{index}", response_class=Response, responses=FILE_RESPONSES)
 async def job_content(job_id: str, index: int, http: Request, desk: DeskDep) -> Response:
     """Output `index` of a finished job, with its content type."""
     job = await desk.find(job_id, http)
@@ -265,13 +266,15 @@ async def job_content(job_id: str, index: int, http: Request, desk: DeskDep) -> 
     return Response(found[0], media_type=found[1])
 
 
-@router.delete("/v1/jobs/{job_id}", response_model=Job, responses=ERRORS)
+@router.delete("/v1/jobs/{job_id}", response_model=Job | DeletedJob, responses=ERRORS)
 async def delete_job(job_id: str, http: Request, desk: DeskDep) -> Response:
-    """Abort an unfinished job (it ends `aborted`); delete a finished one and its outputs."""
+    """Abort an unfinished job (it ends `aborted`: the job); delete a finished one and its
+    outputs (the job as it was, `deleted: true`, no outputs)."""
     job = await desk.find(job_id, http)
     if job.finished:
         await asyncio.to_thread(desk.store.delete, job.id)
-        return JSONResponse({"id": job.id, "object": "job", "deleted": True})
+        gone = DeletedJob(**job.public().model_dump(exclude={"outputs"}))
+        return JSONResponse(gone.model_dump(mode="json"))
     return JSONResponse(desk.links.present(await desk.runner.abort(job)).model_dump(mode="json"))
 
 
@@ -288,7 +291,7 @@ async def job_events(job_id: str, http: Request, desk: DeskDep) -> StreamingResp
     )
 
 
-@router.get("/v1/files/{key}/{name}", include_in_schema=True, responses=ERRORS)
+@router.get("/v1/files/{key}/{name}", response_class=Response, responses=FILE_RESPONSES)
 async def stored_file(key: str, name: str, desk: DeskDep, expires: int = 0, signature: str = "") -> Response:
     """A stored output by its signed link (no API key: the signature is the permission)."""
     if not STORED_KEY.fullmatch(key) or not signature_ok(desk.links.key, f"{key}/{name}", expires, signature):

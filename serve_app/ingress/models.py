@@ -192,6 +192,6 @@ class Models:
         for m in self.all:
             if m.spec.model.answers_to(name):
                 return m
-        raise InvalidRequest(
+        raise NotFound(
             f"{field}: {name[:64]!r} is not served here; models: {', '.join(self.names())}", param=field
         )

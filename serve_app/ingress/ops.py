@@ -168,10 +168,10 @@ async def playground() -> HTMLResponse:
     return HTMLResponse(_PLAYGROUND)
 
 
-@router.get("/health", responses={400: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})
+@router.get("/health", responses={code: {"model": ErrorResponse} for code in (400, 404, 503)})
 async def health(core: CoreDep, model: str | None = None) -> dict[str, str]:
-    """Readiness: 200 once a replica of the default model (or of `?model=`) has loaded and
-    warmed it, 503 while none has."""
+    """Readiness: 200 once a replica of the default model (or of `?model=`, a model's name or
+    alias) has loaded and warmed it, 503 while none has; 404 naming the models for another name."""
     await core.ensure_ready(model)
     return {"status": "ok"}
 

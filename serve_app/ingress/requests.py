@@ -1,16 +1,26 @@
 """Requests by id: where one is (queued, running, recently finished) and aborting it. A caller
 sees and aborts only its own; an admin key and handle callers, anyone's."""
 
-from fastapi import APIRouter, Request
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Request
 
 from serve_app.errors import NotFound
 from serve_app.ingress.checks import check_path_id
 from serve_app.ingress.core import Core, CoreDep
 from serve_app.ingress.openapi import ERRORS
 from serve_app.ingress.present import abort_response
-from serve_app.schemas import AbortResponse, RequestState
+from serve_app.schemas import REQUEST_ID_REGEX, AbortResponse, RequestState
 
 _ORDER = {"running": 0, "queued": 1, "done": 2, "failed": 3, "aborted": 4}
+# The form a request id has, in the document; `check_path_id` refuses any other with its 400.
+RequestIdPath = Annotated[
+    str,
+    Path(
+        description="1-128 letters, digits, '.', '_', ':' or '-'.",
+        json_schema_extra={"pattern": REQUEST_ID_REGEX, "minLength": 1, "maxLength": 128},
+    ),
+]
 
 
 async def abort(core: Core, request_ids: list[str], owner: str | None = None) -> dict[str, str]:
@@ -43,17 +53,17 @@ router = APIRouter()
 
 
 @router.get("/v1/requests/{request_id}", response_model=RequestState, responses=ERRORS)
-async def get_request(request_id: str, http: Request, core: CoreDep) -> RequestState:
+async def get_request(request_id: RequestIdPath, http: Request, core: CoreDep) -> RequestState:
     return await request_status(core, request_id, core.requester(http))
 
 
 @router.post("/v1/requests/{request_id}/abort", response_model=AbortResponse, responses=ERRORS)
-async def abort_request(request_id: str, http: Request, core: CoreDep) -> AbortResponse:
+async def abort_request(request_id: RequestIdPath, http: Request, core: CoreDep) -> AbortResponse:
     return await _abort_one(core, request_id, http)
 
 
 @router.delete("/v1/requests/{request_id}", response_model=AbortResponse, responses=ERRORS)
-async def delete_request(request_id: str, http: Request, core: CoreDep) -> AbortResponse:
+async def delete_request(request_id: RequestIdPath, http: Request, core: CoreDep) -> AbortResponse:
     return await _abort_one(core, request_id, http)
 
 

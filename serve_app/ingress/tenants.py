@@ -112,11 +112,12 @@ class Tenants:
         return self._tenants.get(name)
 
     @contextlib.asynccontextmanager
-    async def admit(self, request: PreparedRequest, wait: bool = False):
+    async def admit(self, request: PreparedRequest, wait: bool = False, times: int = 1):
         """Hold one of the tenant's in-flight places and take the request's images and
-        image-steps from its rates; past a quota: `QuotaExceeded`, or with `wait` (jobs) wait."""
-        tenant = await self._room(request, wait)
-        for name, n in _need(request).items():
+        image-steps from its rates (`times` over: a request run that many times, all judged
+        before the first runs); past a quota: `QuotaExceeded`, or with `wait` (jobs) wait."""
+        tenant = await self._room(request, wait, times)
+        for name, n in _need(request, times).items():
             if name in tenant.buckets:
                 tenant.buckets[name].take(n)
         tenant.in_flight += 1
@@ -131,9 +132,23 @@ class Tenants:
         """Until the request's tenant has room for it (a job, before it takes a run slot)."""
         await self._room(request, True)
 
-    async def _room(self, request: PreparedRequest, wait: bool) -> Tenant:
+    def check_fits(self, request: PreparedRequest) -> None:
+        """A 400 now for a request more than a minute of its tenant's rates holds: it could
+        never run (a job that would only fail later)."""
         tenant = self.named(request.tenant, implicit=True)
         need = _need(request)
+        for name, bucket in tenant.buckets.items():
+            if need[name] > bucket.per_minute:
+                raise InvalidRequest(
+                    f"quota: tenant {tenant.name!r} has an {name} of {bucket.per_minute:g}; this request "
+                    f"needs {need[name]:g}, more than a minute's",
+                    param=name,
+                    request_id=request.request_id,
+                )
+
+    async def _room(self, request: PreparedRequest, wait: bool, times: int = 1) -> Tenant:
+        tenant = self.named(request.tenant, implicit=True)
+        need = _need(request, times)
         while (problem := self._problem(tenant, need)) is not None:
             if problem.wait_s == math.inf:  # more than a minute's worth: never, so not a 429
                 raise InvalidRequest(
@@ -223,6 +238,6 @@ def _tenant(cfg: TenantConfig) -> Tenant:
     return Tenant(cfg, buckets=buckets, room=asyncio.Condition())
 
 
-def _need(request: PreparedRequest) -> dict[str, float]:
-    images = len(request.prompts) * request.num_images
+def _need(request: PreparedRequest, times: int = 1) -> dict[str, float]:
+    images = len(request.prompts) * request.num_images * times
     return {"images_per_minute": images, "image_steps_per_minute": images * request.num_inference_steps}

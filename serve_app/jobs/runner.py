@@ -302,11 +302,13 @@ class JobRunner:
         for job_id in keys:
             if not job_id.startswith(JOB_PREFIX) or job_id in self.tasks:
                 continue
-            lease = await asyncio.to_thread(self.store.lease, job_id)
-            if lease is not None and lease[1] > now:
+            if (lease := await asyncio.to_thread(self.store.lease, job_id)) is not None and lease[1] > now:
                 continue
             job = await asyncio.to_thread(self.store.load_job, job_id)  # read now, not from a listing
             if job is None or job.finished:
+                continue
+            # Read again after the record: whoever took the job since renewed its lease before saving it.
+            if (lease := await asyncio.to_thread(self.store.lease, job_id)) is not None and lease[1] > now:
                 continue
             if lease is None and now - job.created_at < self.cfg.lease_s:
                 continue  # just created: its ingress stores the record first, then its lease

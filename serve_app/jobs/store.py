@@ -16,6 +16,7 @@ from typing import Any
 
 import fsspec
 
+from serve_app.errors import ServingError
 from serve_app.schemas import MEDIA_TYPES, GenerationResult, JobRecord, PreparedRequest
 
 JOB_PREFIX = "job_"
@@ -33,14 +34,64 @@ def body_hash(body: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
 
 
+# What a store must do for claims to be exclusive, and the first versions of the bucket file
+# systems that do it (pyproject.toml's `s3` and `gcs` extras).
+EXCLUSIVE_NEEDS = (
+    "the file system must fail a second create of the same key (mode 'xb', FileExistsError); "
+    "for S3 use s3fs>=2025.7.0 on a server that honours If-None-Match, for GCS gcsfs>=2024.12.0"
+)
+
+
+class StoreRefused(ServingError, ValueError):
+    """`jobs.store` names a file system the jobs cannot be kept on (found when the store opens)."""
+
+
 class Store:
     """Records and files under one root: `objects/<key>/` per job or stored result, holding
-    `job.json` (jobs), `request.json` (jobs), `meta.json` and the outputs `<index>.<format>`."""
+    `job.json` (jobs), `request.json` (jobs), `meta.json` and the outputs `<index>.<format>`.
+
+    Opening a store checks that it creates files exclusively (`check_exclusive`): claims, new
+    jobs and the shared signing key rely on it, and a store that cannot is refused."""
 
     def __init__(self, url: str):
         self.fs, root = fsspec.core.url_to_fs(os.path.expanduser(url))
         self.root = root.rstrip("/")
         self.fs.makedirs(self._path("objects"), exist_ok=True)
+        self.check_exclusive()
+
+    def check_exclusive(self) -> None:
+        """Create one probe key twice, as a claim does (`_create`): the first create must win and
+        the second must lose (FileExistsError), or the store is refused (`StoreRefused`). The
+        probe is removed."""
+        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+        where = f"jobs.store ({protocol}:// file system)"  # never the URL: it may hold credentials
+        self.fs.makedirs(self._path("probe"), exist_ok=True)
+        path = self._path("probe", f"exclusive.{uuid.uuid4().hex}")
+        try:
+            try:
+                first = self._create(path, b"probe")
+                second = self._create(path, b"probe")
+            except Exception as e:
+                raise StoreRefused(
+                    f"{where}: an exclusive create raised {type(e).__name__}; {EXCLUSIVE_NEEDS}",
+                    param="jobs.store",
+                ) from e
+            if second:
+                raise StoreRefused(
+                    f"{where}: a second create of the same probe key succeeded, so two ingresses "
+                    f"could both claim one job; {EXCLUSIVE_NEEDS}",
+                    param="jobs.store",
+                )
+            if not first:
+                raise StoreRefused(
+                    f"{where}: the create of a new probe key failed as if it existed; {EXCLUSIVE_NEEDS}",
+                    param="jobs.store",
+                )
+        finally:
+            try:
+                self.fs.rm(path)
+            except Exception:  # never made, or already gone
+                pass
 
     def _path(self, *parts: str) -> str:
         return posixpath.join(self.root, *parts)
@@ -54,18 +105,15 @@ class Store:
 
     def _create(self, path: str, data: bytes) -> bool:
         """Write `path` only if nothing is there yet (True), else leave it (False): the one
-        writer that wins a race is the only one that gets True."""
+        writer that wins a race is the only one that gets True. The file system's exclusive
+        create decides (checked when the store opens); there is no check-then-write fallback,
+        which two writers could both win."""
         try:
             with self.fs.open(path, "xb") as f:
                 f.write(data)
             return True
         except FileExistsError:
             return False
-        except (ValueError, NotImplementedError):  # a file system without exclusive create
-            if self.fs.exists(path):
-                return False
-            self._write(path, data)
-            return True
 
     def _read(self, path: str) -> bytes | None:
         try:

@@ -232,7 +232,7 @@ class DiffusionReplica(AdapterControl, CheckpointServing):
     def abort(self, request_ids: list[str], owner: str | None = None) -> dict[str, str]:
         """Abort by id among `owner`'s requests (None: anyone's): `aborted`, `finished`
         (already done, nothing to do) or `unknown`."""
-        return {**self._abort_pending(request_ids, owner), **self.scheduler.abort(request_ids, owner)}
+        return _either(self._abort_pending(request_ids, owner), self.scheduler.abort(request_ids, owner))
 
     def _on_retire(self, job: Job, state: str) -> None:
         metrics.count_request(self.engine.model_name, state, len(job.rows))
@@ -308,6 +308,7 @@ class DiffusionReplica(AdapterControl, CheckpointServing):
             lora_evictions=self.adapters.evictions,
             lora_prefetched=self.adapters.prefetched,
             self_tests_passed=self.health.self_tests_passed,
+            argument_failures=self.health.argument_failures,
         )
         return ReplicaStats(
             replica_id=_replica_id(),
@@ -385,3 +386,11 @@ def _exit_actor() -> None:
 
 
 DiffusionReplicaDeployment = serve.deployment(DiffusionReplica, name="DiffusionReplica")
+
+
+def _either(*answers: dict[str, str]) -> dict[str, str]:
+    """Each id's abort outcome from wherever it was found (a request waiting for its
+    checkpoint is `aborted` there and `unknown` to the scheduler)."""
+    rank = {"aborted": 2, "finished": 1}
+    ids = {rid for answer in answers for rid in answer}
+    return {rid: max((a.get(rid, "unknown") for a in answers), key=lambda s: rank.get(s, 0)) for rid in ids}

@@ -4,11 +4,18 @@ Callers' requests alone never make a replica unhealthy: a caller's bad arguments
 out of memory are that caller's answer, and engine failures in a row only make the replica run
 a short known-good call (a self-test), which must fail too. A fatal device error, a call that
 hangs past its limit or a stopped engine loop do make it unhealthy.
+
+Which failures are the caller's is not decided by a list of exception types: after a call
+fails in a way no check foresaw, the engine runs the self-test (the model's defaults). If that
+works, the engine is sound and the request's own arguments made the call fail: a 400, not
+counted. The verdict is kept a minute for failures of the same kind (the same exception and
+message up to its numbers), so a caller repeating it costs no further self-test.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import re
 import time
@@ -21,6 +28,9 @@ from serve_app.errors import EngineFailure, InvalidRequest, OutOfMemory, Replica
 logger = logging.getLogger("ray.serve")
 
 _PATH = re.compile(r"(?<![\w.])/(?:[\w.@+-]+/)+[\w.@+-]*")
+_NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e[+-]?\d+)?")
+VERDICT_S = 60.0  # how long a self-test's verdict stands for failures of the same kind
+_VERDICTS = 64  # kinds of failure remembered
 
 
 def no_paths(message: str) -> str:
@@ -37,6 +47,8 @@ class Health:
         self.fatal: str | None = None  # a device error: this replica is leaving
         self.broken: str | None = None  # failures in a row and a failed self-test
         self.call_started: float | None = None
+        self.argument_failures = 0  # calls that failed on their arguments (judged by a self-test)
+        self._verdicts: collections.OrderedDict[str, float] = collections.OrderedDict()
 
     def classify(self, e: Exception, request_id: str, rows: int, params: CallParams) -> ServingError:
         """A failed call's error for its callers; engine failures are counted, a fatal device
@@ -55,6 +67,9 @@ class Health:
                 "try fewer or smaller images",
                 request_id=request_id,
             )
+        if not is_fatal_device_error(e) and self._known_argument_failure(e):
+            self.argument_failures += 1
+            return self._argument_error(e, request_id, params)
         self.consecutive_failures += 1
         logger.exception("request %s failed in the engine", request_id, exc_info=e)
         if is_fatal_device_error(e):
@@ -64,6 +79,40 @@ class Health:
             logger.error("replica leaving after request %s: %s", request_id, self.fatal)
             return self.lost(request_id)
         return EngineFailure(f"engine error: {type(e).__name__}: {no_paths(str(e))}", request_id=request_id)
+
+    def recheck(self, engine, e: Exception, request_id: str, params: CallParams) -> ServingError | None:
+        """Engine thread, after `e` failed a call as an engine failure: run the self-test. If
+        the model runs its defaults, the call failed on its request's arguments: that request's
+        400 (returned), and the failure is not counted. None if the self-test fails too."""
+        try:
+            engine.self_test()
+        except Exception:
+            self._verdicts.clear()
+            return None
+        self.consecutive_failures = max(0, self.consecutive_failures - 1)
+        self.argument_failures += 1
+        self._verdicts[_kind(e)] = time.monotonic()
+        self._verdicts.move_to_end(_kind(e))
+        while len(self._verdicts) > _VERDICTS:
+            self._verdicts.popitem(last=False)
+        logger.warning(
+            "request %s failed on its arguments (the self-test runs): %s: %s",
+            request_id, type(e).__name__, no_paths(str(e))[:300],
+        )  # fmt: skip
+        return self._argument_error(e, request_id, params)
+
+    def _known_argument_failure(self, e: Exception) -> bool:
+        at = self._verdicts.get(_kind(e))
+        return at is not None and time.monotonic() - at < VERDICT_S
+
+    @staticmethod
+    def _argument_error(e: Exception, request_id: str, params: CallParams) -> InvalidRequest:
+        return InvalidRequest(
+            "the pipeline cannot run this request's arguments (the same model runs its defaults): "
+            f"{type(e).__name__}: {no_paths(str(e))[:500]}",
+            param="extra" if params.extra else None,
+            request_id=request_id,
+        )
 
     def lost(self, request_id: str | None = None) -> ReplicaLost:
         return ReplicaLost(f"replica is restarting after a device error: {self.fatal}", request_id=request_id)
@@ -100,3 +149,8 @@ class Health:
             ran = time.monotonic() - started
             return f"a pipeline call has run for {ran:.0f}s (limit {self.call_timeout_s:g}s)"
         return None
+
+
+def _kind(e: Exception) -> str:
+    """A failure's kind: its type and message with the numbers left out."""
+    return f"{type(e).__name__}: {_NUMBER.sub('#', str(e))[:200]}"

@@ -112,13 +112,32 @@ class EngineLoop:
             self.health.call_started = time.monotonic()
             out = await loop.run_in_executor(self._engine_thread, self._run_call, batch, rows, hook)
         except Exception as e:  # one call's failure; the loop goes on
-            err = self.health.classify(e, batch[0].request_id, len(rows), work(batch[0]).params)
+            err = await self._judged(e, batch[0], len(rows), loop)
             for job in batch:
                 if job.state == "running":
                     self.scheduler.fail(job, err)
             return
         self.health.consecutive_failures = 0
         self._deliver(batch, out)
+
+    async def _judged(
+        self, e: Exception, job: Job, rows: int, loop: asyncio.AbstractEventLoop
+    ) -> ServingError:
+        """A failed call's error for its requests. A failure no check foresaw is judged by the
+        self-test (`Health.recheck`): the request's 400 if the model runs its defaults."""
+        params = work(job).params
+        err = self.health.classify(e, job.request_id, rows, params)
+        if type(err) is not EngineFailure or self.health.fatal:
+            return err
+        engine = work(job).engine or self.engine
+        self.health.call_started = time.monotonic()
+        try:
+            verdict = await loop.run_in_executor(
+                self._engine_thread, self.health.recheck, engine, e, job.request_id, params
+            )
+        finally:
+            self.health.call_started = None
+        return verdict or err
 
     def _run_call(self, batch: list[Job], rows: list[Row], hook) -> EngineOutput:
         """On the engine thread: load the call's adapters if this replica lacks them, then run
@@ -180,6 +199,7 @@ class EngineLoop:
         # What requests still running at the end get: they lost their call (the loop stopped,
         # a fatal error) and their rows ended unfinished, or the call failed as a whole.
         lost: ServingError = EngineFailure("engine error: the call stopped before this request was done")
+        failure: Exception | None = None
         try:
             run = await on_engine(self._open_joined, batch, params, adapters)
             while True:
@@ -194,10 +214,12 @@ class EngineLoop:
                     batch[0].join_key, room, lambda j: all(r.adapters == adapters for r in j.rows)
                 )
         except Exception as e:  # the run could not start or go on (an adapter failed to load)
-            lost = self.health.classify(e, batch[0].request_id, len(batch[0].rows), params)
+            failure = e
         finally:
             if run is not None:
                 await on_engine(run.close)
+            if failure is not None:  # judged once the run is closed (the self-test may run)
+                lost = await self._judged(failure, batch[0], len(batch[0].rows), loop)
             for job in [*batch, *joining, *(m.job for m in members.values())]:
                 if job.state == "running":
                     self.scheduler.fail(job, lost)

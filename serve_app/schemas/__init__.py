@@ -18,7 +18,9 @@ from serve_app.schemas.base import (
     IMAGE_FORMATS,
     MAX_SEED,
     MEDIA_TYPES,
+    NOT_BLANK,
     REQUEST_ID_PATTERN,
+    REQUEST_ID_REGEX,
     VIDEO_FORMATS,
     B64Bytes,
     Extra,
@@ -28,6 +30,7 @@ from serve_app.schemas.base import (
     Prompts,
     RequestId,
     new_request_id,
+    odd_json,
 )
 from serve_app.schemas.base import _b64decode as _b64decode
 from serve_app.schemas.base import _bad_text as _bad_text
@@ -50,7 +53,14 @@ from serve_app.schemas.control import (
     TenantStatus,
 )
 from serve_app.schemas.generation import _LORA_ALIASES as _LORA_ALIASES
-from serve_app.schemas.generation import BatchGenerationRequest, GenerationParams, GenerationRequest, LoraRef
+from serve_app.schemas.generation import (
+    LORA_NAME_CHARS,
+    LORA_SCALE,
+    BatchGenerationRequest,
+    GenerationParams,
+    GenerationRequest,
+    LoraRef,
+)
 from serve_app.schemas.generation import _ImageInputs as _ImageInputs
 from serve_app.schemas.internal import (
     CHECKPOINT_ID,
@@ -63,6 +73,7 @@ from serve_app.schemas.internal import (
 )
 from serve_app.schemas.jobs import (
     FINISHED,
+    DeletedJob,
     Job,
     JobList,
     JobOutput,
@@ -102,7 +113,10 @@ __all__ = [
     "QUALITY_ACCELERATION",
     "SERVED_QUALITY",
     "REQUEST_ID_PATTERN",
+    "REQUEST_ID_REGEX",
+    "NOT_BLANK",
     "VIDEO_FORMATS",
+    "odd_json",
     "AbortResponse",
     "CheckpointAdd",
     "B64Bytes",
@@ -120,6 +134,7 @@ __all__ = [
     "ImagesResponse",
     "ImagesUsage",
     "InputImage",
+    "DeletedJob",
     "Job",
     "JobList",
     "JobOutput",
@@ -128,6 +143,8 @@ __all__ = [
     "LoraAdd",
     "LoraPin",
     "LoraRef",
+    "LORA_NAME_CHARS",
+    "LORA_SCALE",
     "MemoryKind",
     "ModelCard",
     "ModelDescription",

@@ -17,7 +17,9 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from serve_app.schemas.base import _Wire
+from serve_app.schemas.base import MAX_SEED, NOT_BLANK, Prompt, _Wire, rules
+
+CHECKPOINT_FIELD = "override_settings.sd_model_checkpoint"
 
 # Fields taken only at these values (A1111's defaults, and what clients send for "off").
 NOT_DONE: dict[str, tuple[Any, ...]] = {
@@ -48,12 +50,62 @@ NOT_DONE: dict[str, tuple[Any, ...]] = {
 }
 
 
+# The rules JSON Schema cannot say (`x-constraints`), by the A1111 names the 400s give.
+_RULES = (
+    ("prompt", "its `<lora:name>` / `<lora:name:weight>` tags well formed (a weight from -10 to 10), each "
+     "naming an adapter registered for the model, once; the prompt without them not empty, at most "
+     "limits.max_prompt_chars"),
+    ("width", "width × height at most the deployment's limits.max_pixels"),
+    ("sampler_name", "one the model offers (GET /sdapi/v1/samplers), `sampler_index` too"),
+    ("scheduler", "one the sampler takes (GET /sdapi/v1/schedulers)"),
+    (CHECKPOINT_FIELD, "an image model served here (or a pool's checkpoint): 404 for an unknown one"),
+    ("n_iter", "n_iter × batch_size images at most a minute of the tenant's rates"),
+    ("images_per_minute", "the images at most a minute of the tenant's images_per_minute"),
+    ("image_steps_per_minute", "images × steps at most a minute of the tenant's image_steps_per_minute"),
+)  # fmt: skip
+_IMG2IMG_RULES = (
+    ("init_images", "a PNG, JPEG or WebP file as base64 (or a data: URL), 8×8 to limits.max_input_pixels "
+     "pixels, for a model that takes an input image"),
+    ("mask", "like the image, its size, for a model that inpaints"),
+    ("denoising_strength", "steps × denoising_strength ≥ 1 where the model runs whole steps of it "
+     "(SD, SDXL)"),
+)  # fmt: skip
+
+
+def _declared(schema: dict[str, Any], extra: tuple[tuple[str, str], ...]) -> None:
+    """The body's document: the fields taken only at their defaults (`NOT_DONE`) as enums of
+    those values, and its `x-constraints`."""
+    for name, allowed in NOT_DONE.items():
+        if name in schema.get("properties", {}):
+            # once each (0 and 0.0 are one JSON value)
+            schema["properties"][name]["enum"] = [v for i, v in enumerate(allowed) if v not in allowed[:i]]
+    schema.update(rules(*_RULES, *extra))
+
+
+def options_schema() -> dict[str, Any]:
+    """What `override_settings` and `POST /sdapi/v1/options` take: `sd_model_checkpoint`, and
+    the other options only at the values this server has (`A1111Options`)."""
+    ours = A1111Options(sd_model_checkpoint="")
+    props: dict[str, Any] = {
+        "sd_model_checkpoint": {"type": "string", "pattern": NOT_BLANK, "description": "A model served here."}
+    }
+    for name in A1111Options.model_fields:
+        if name != "sd_model_checkpoint":
+            props[name] = {"enum": [getattr(ours, name)], "description": "Only this server's value."}
+    return {"type": "object", "properties": props, "additionalProperties": False}
+
+
 class _A1111Common(_Wire):
     """What txt2img and img2img share, with A1111's names; None: the model's default."""
 
-    prompt: str = Field("", description="The prompt; `<lora:name:weight>` applies a registered adapter.")
+    model_config = ConfigDict(json_schema_extra=lambda schema: _declared(schema, ()))
+
+    prompt: Prompt = Field(
+        description="The prompt; `<lora:name:weight>` applies a registered adapter. Not empty without "
+        "its tags."
+    )
     negative_prompt: str | None = None
-    seed: int = Field(-1, ge=-1, le=2**62, description="-1: random (a 32-bit seed, as A1111 draws).")
+    seed: int = Field(-1, ge=-1, le=MAX_SEED, description="-1: random (a 32-bit seed, as A1111 draws).")
     sampler_name: str | None = Field(None, max_length=64, description="e.g. 'Euler a', 'DPM++ 2M Karras'.")
     sampler_index: str | None = Field(None, max_length=64, description="A1111's older name for sampler_name.")
     scheduler: str | None = Field(
@@ -65,9 +117,17 @@ class _A1111Common(_Wire):
     cfg_scale: float | None = Field(None, ge=0)
     width: int | None = Field(None, ge=8, multiple_of=8)
     height: int | None = Field(None, ge=8, multiple_of=8)
-    denoising_strength: float | None = Field(None, gt=0, le=1)
+    denoising_strength: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="img2img: how much to repaint; int(steps × denoising_strength) at least 1 where the "
+        "model runs whole steps of it (SD, SDXL).",
+    )
     override_settings: dict[str, Any] = Field(
-        default_factory=dict, description="Only `sd_model_checkpoint` (a model or checkpoint served here)."
+        default_factory=dict,
+        description="Only `sd_model_checkpoint` (a model or checkpoint served here).",
+        json_schema_extra=lambda schema: schema.update(options_schema()),
     )
     send_images: bool = Field(True, description="False: the answer carries no images.")
     disable_extra_networks: bool = Field(
@@ -125,7 +185,11 @@ class Img2ImgRequest(_A1111Common):
     """Body of `POST /sdapi/v1/img2img`: `init_images` (one, base64 or a data URL), and a `mask`
     (white where to paint) for inpainting."""
 
-    init_images: list[str] = Field(min_length=1, description="The image to remake (one).")
+    model_config = ConfigDict(json_schema_extra=lambda schema: _declared(schema, _IMG2IMG_RULES))
+
+    init_images: list[str] = Field(
+        min_length=1, description="The image to remake (one).", json_schema_extra={"maxItems": 1}
+    )
     mask: str | None = Field(None, description="Base64 image: white where to paint (inpainting).")
     include_init_images: bool = False
     # Taken, and without effect here: how A1111 fits, blurs and fills its masks.

@@ -8,6 +8,8 @@ on the deployment (max pixels, max steps, ...) are checked by the ingress agains
 from __future__ import annotations
 
 import base64
+import json
+import math
 import re
 import uuid
 from typing import Annotated, Any, Literal
@@ -28,8 +30,15 @@ VIDEO_FORMATS = ("mp4", "webp", "gif")  # webp: animated
 MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp", "gif": "image/gif",
                "mp4": "video/mp4"}  # fmt: skip
 MemoryKind = Literal["cuda", "cpu_rss"]
-MAX_SEED = 2**62
-REQUEST_ID_PATTERN = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# The largest integer every JSON reader keeps exactly (I-JSON, RFC 7493: JavaScript's
+# Number.MAX_SAFE_INTEGER); above it a checker comparing as doubles cannot tell 2**62 + 95 from 2**62.
+MAX_SEED = 2**53 - 1
+REQUEST_ID_REGEX = r"^[A-Za-z0-9._:-]{1,128}$"  # the document's pattern (fullmatch it in Python)
+REQUEST_ID_PATTERN = re.compile(REQUEST_ID_REGEX)
+# What str.strip() removes. A prompt of nothing else is empty; the document's pattern for a
+# prompt (ECMA-262 syntax, which Python's re reads the same) asks for one character outside it.
+SPACE_CHARS = r"\t\n\x0b\x0c\r\x1c-\x1f \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+NOT_BLANK = f"[^{SPACE_CHARS}]"
 
 
 def new_request_id() -> str:
@@ -37,7 +46,7 @@ def new_request_id() -> str:
 
 
 def _check_request_id(v: str | None) -> str | None:
-    if v is not None and not REQUEST_ID_PATTERN.match(v):
+    if v is not None and not REQUEST_ID_PATTERN.fullmatch(v):
         raise ValueError("must be 1-128 characters of letters, digits, '.', '_', ':' or '-'")
     return v
 
@@ -55,6 +64,14 @@ def _check_prompts(v: list[str]) -> list[str]:
     return v
 
 
+def rules(*rules: tuple[str, str]) -> dict[str, Any]:
+    """A body's `json_schema_extra`: the rules a server enforces that JSON Schema cannot say (one
+    field against another, or against the model or the deployment), as the `x-constraints`
+    extension, each with the `param` its 400 names. The document lifts them onto every operation
+    taking the body (`ingress/openapi.py`), and the field's description says the same."""
+    return {"x-constraints": [{"param": param, "rule": rule} for param, rule in rules]}
+
+
 def _b64decode(v: Any) -> Any:
     return base64.b64decode(v, validate=True) if isinstance(v, str) else v
 
@@ -65,17 +82,32 @@ B64Bytes = Annotated[
     BeforeValidator(_b64decode),
     PlainSerializer(lambda b: base64.b64encode(b).decode("ascii"), return_type=str, when_used="json"),
 ]
-Prompt = Annotated[str, AfterValidator(_check_prompt)]
-Prompts = Annotated[list[str], Field(min_length=1), AfterValidator(_check_prompts)]
-RequestId = Annotated[str | None, AfterValidator(_check_request_id)]
+# Declared in the document (JSON Schema), checked by the validators with their own messages.
+_PROMPT_SCHEMA = {"minLength": 1, "pattern": NOT_BLANK}
+Prompt = Annotated[str, AfterValidator(_check_prompt), Field(json_schema_extra=_PROMPT_SCHEMA)]
+Prompts = Annotated[
+    list[Annotated[str, Field(json_schema_extra=_PROMPT_SCHEMA)]],
+    Field(min_length=1),
+    AfterValidator(_check_prompts),
+]
+RequestId = Annotated[
+    str | None,
+    AfterValidator(_check_request_id),
+    Field(json_schema_extra={"pattern": REQUEST_ID_REGEX, "minLength": 1, "maxLength": 128}),
+]
 Extra = Annotated[
     dict[str, Any], Field(description="More keyword arguments for the pipeline call, checked by the engine.")
 ]
 
 
+def _shown(key: Any) -> str:
+    """A key as a message may show it: what is not valid text escaped, at most 40 characters."""
+    return str(key).encode("utf-8", "backslashreplace").decode("utf-8")[:40]
+
+
 def _bad_text(v: Any, at: str = "") -> str | None:
     """Where in `v` a string holds text no encoder takes (a lone surrogate such as `\\ud800`,
-    which JSON can spell), or None."""
+    which JSON can spell), in a key or a value, or None. The place is printable itself."""
     if isinstance(v, str):
         try:
             v.encode("utf-8")
@@ -83,12 +115,50 @@ def _bad_text(v: Any, at: str = "") -> str | None:
             return at or "it"
     elif isinstance(v, dict):
         for k, item in v.items():
-            if (found := _bad_text(k, f"{at}.{k!s}"[:80]) or _bad_text(item, f"{at}.{k!s}")) is not None:
+            place = f"{at}.{_shown(k)}"[:120]
+            if (found := _bad_text(k, place) or _bad_text(item, place)) is not None:
                 return found
     elif isinstance(v, list | tuple):
         for i, item in enumerate(v):
             if (found := _bad_text(item, f"{at}[{i}]")) is not None:
                 return found
+    return None
+
+
+# What may make a JSON body hold a value no field takes; only bodies with one are parsed twice.
+_ODD_JSON = re.compile(rb"\\u[dD][89a-fA-F]|NaN|Infinity|[eE][+-]?\d{3}")
+
+
+class _Constant(str):
+    """NaN, Infinity or -Infinity in a body: Python's parser reads them, JSON has no such number."""
+
+
+def odd_json(raw: bytes) -> tuple[str, str] | None:
+    """(where, why) of the first value in a JSON body that no field may take: a lone surrogate
+    in a key or a value at any depth, NaN or Infinity, a number too large for a double. None if
+    there is none, or if the body is not JSON (the route's own parser answers that)."""
+    if not _ODD_JSON.search(raw):
+        return None
+    try:
+        return _odd(json.loads(raw, parse_constant=_Constant), "")
+    except (ValueError, RecursionError):
+        return None
+
+
+def _odd(v: Any, at: str) -> tuple[str, str] | None:
+    if isinstance(v, _Constant):
+        return at, f"{v} is not a JSON number"
+    if isinstance(v, float) and not math.isfinite(v):
+        return at, "the number is too large for a 64-bit float"
+    if isinstance(v, str) and _bad_text(v) is not None:
+        return at, "must be valid Unicode text: a lone surrogate such as \\ud800 is not"
+    items = v.items() if isinstance(v, dict) else enumerate(v) if isinstance(v, list) else ()
+    for k, item in items:
+        place = f"{at}.{_shown(k)}"[:120] if isinstance(v, dict) else f"{at}[{k}]"
+        if isinstance(k, str) and _bad_text(k) is not None:
+            return place, "a key must be valid Unicode text: a lone surrogate such as \\ud800 is not"
+        if (found := _odd(item, place)) is not None:
+            return found
     return None
 
 

@@ -6,9 +6,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
-from serve_app.schemas.base import _Wire
+from serve_app.schemas.base import _Wire, rules
+
+# Names as the document states them (ECMA-262, which Python's re reads the same; fullmatch them):
+# an adapter's (`lora.NAME_PATTERN`), a checkpoint's (`checkpoints.CHECKPOINT_NAME`: not a path,
+# so not `.`, `..` or any name starting with a dot), a trace file's prefix.
+LORA_NAME_REGEX = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
+CHECKPOINT_NAME_REGEX = r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$"
+TRACE_PREFIX_REGEX = r"^[A-Za-z0-9._-]{1,64}$"
 
 
 class ReplicaStats(BaseModel):
@@ -95,7 +102,19 @@ class AbortResponse(BaseModel):
 class LoraAdd(_Wire):
     """Body of `POST /v1/loras`."""
 
-    name: str
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            ("path", "a .safetensors file (or a PEFT adapter directory) inside lora.allowed_roots, of at "
+             "most lora.max_file_mb, of the model's family"),
+            ("name", "not already registered"),
+            ("pinned", "at most lora.max_loaded adapters pinned"),
+        )
+    )  # fmt: skip
+
+    name: str = Field(
+        description="1-64 letters, digits, '.', '_' or '-', starting with a letter or digit.",
+        json_schema_extra={"pattern": LORA_NAME_REGEX},
+    )
     path: str = Field(description="A .safetensors file inside one of the configured lora.allowed_roots.")
     scale: float = Field(1.0, ge=-10, le=10)
     pinned: bool = False
@@ -107,7 +126,22 @@ class LoraAdd(_Wire):
 class CheckpointAdd(_Wire):
     """Body of `POST /v1/checkpoints`: a checkpoint a pool serves by name, loaded on demand."""
 
-    name: str = Field(max_length=256, description="What requests give as `model`.")
+    model_config = ConfigDict(
+        json_schema_extra=rules(
+            ("source", "a diffusers directory or a single .safetensors file inside checkpoints.allowed_roots "
+             "(or a hub id where checkpoints.allow_hub is on), of the pool's family"),
+            ("pool", "a model served as a pool (`multiplex:`); without `pool`, the only one"),
+            ("name", "no model's name and not already registered"),
+            ("pinned", "at most the pool's multiplex.max_models_per_replica pinned"),
+        )
+    )  # fmt: skip
+
+    name: str = Field(
+        max_length=128,
+        description="What requests give as `model`: 1-128 letters, digits, '.', '_' or '-', not starting "
+        "with '.' (a name is not a path: never `.` or `..`).",
+        json_schema_extra={"pattern": CHECKPOINT_NAME_REGEX},
+    )
     source: str = Field(
         max_length=4096,
         description="A diffusers directory (safetensors weights) or a single-file checkpoint (one "
@@ -123,11 +157,19 @@ class LoraPin(_Wire):
 
 
 class ProfileStart(_Wire):
-    prefix: str = Field("trace", description="Trace files are named <prefix>-<replica id>-<time>.json.")
+    prefix: str = Field(
+        "trace",
+        description="Trace files are named <prefix>-<replica id>-<time>.json.",
+        json_schema_extra={"pattern": TRACE_PREFIX_REGEX},
+    )
 
 
 class RpcCall(_Wire):
     """Body of `POST /v1/rpc`: call an engine (or worker extension) method on every replica."""
+
+    model_config = ConfigDict(
+        json_schema_extra=rules(("method", "one the engine exports (the 400 lists them)"))
+    )
 
     method: str
     args: list[Any] = Field(default_factory=list)

@@ -16,11 +16,15 @@ _LORA_ALIASES = {"lora_name": "name", "adapter": "name", "lora_scale": "scale", 
                  "local_path": "path"}  # fmt: skip
 
 
+LORA_NAME_CHARS = 64
+LORA_SCALE = (-10.0, 10.0)  # an adapter's weight in a request
+
+
 class LoraRef(_Wire):
     """Apply a registered adapter to this request only. vLLM-Omni's names for the same fields
     (`lora_name`, `adapter`, `lora_scale`, `lora_path`, `local_path`, `int_id`) are taken too."""
 
-    name: str = Field(min_length=1, max_length=64)
+    name: str = Field(min_length=1, max_length=LORA_NAME_CHARS)
 
     @model_validator(mode="before")
     @classmethod
@@ -33,7 +37,9 @@ class LoraRef(_Wire):
                 out[field] = v[alias]
         return out
 
-    scale: float | None = Field(None, ge=-10, le=10, description="Default: the adapter's registered scale.")
+    scale: float | None = Field(
+        None, ge=LORA_SCALE[0], le=LORA_SCALE[1], description="Default: the adapter's registered scale."
+    )
     path: str | None = Field(None, description="Filled in by the server from the registry; ignored if sent.")
 
 
@@ -57,7 +63,12 @@ class GenerationParams(_Wire):
     )
     num_frames: int | None = Field(None, ge=1, description="Video models: frames; default: the model's.")
     strength: float | None = Field(
-        None, gt=0, le=1, description="Edits (image-to-image, inpainting): how much of the input to repaint."
+        None,
+        gt=0,
+        le=1,
+        description="Edits (image-to-image, inpainting): how much of the input to repaint. Where the "
+        "model runs int(num_inference_steps × strength) steps (SD, SDXL), that is at least 1 (a 400 "
+        "naming strength otherwise); an instruction-edit model takes none.",
     )
     # vLLM-Omni's extension fields, so that its clients work unchanged
     true_cfg_scale: float | None = Field(

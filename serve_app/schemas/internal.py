@@ -225,6 +225,9 @@ class ModelDescription(BaseModel):
     pooled_dim: int | None = None
     default_num_frames: int | None = None
     frame_rule: tuple[int, int] | None = None  # video: frames = a * k + b
+    # Per edit task taking `strength`: {"default": the pipeline's, "whole_steps": it runs
+    # int(steps × strength) steps, so fewer than one is refused}.
+    edit_strength: dict[str, dict[str, Any]] = Field(default_factory=dict)
     default_fps: int | None = None
     default_height: int
     default_width: int

@@ -64,6 +64,12 @@ class Job(BaseModel):
         return self.state in FINISHED
 
 
+class DeletedJob(Job):
+    """`DELETE /v1/jobs/{id}` of a finished job: the job as it was, its outputs gone with it."""
+
+    deleted: Literal[True] = True
+
+
 class JobRecord(Job):
     """A job as stored: with the bookkeeping callers do not see."""
 

@@ -7,11 +7,12 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic.json_schema import SkipJsonSchema
 
 from serve_app.config import Acceleration
 from serve_app.errors import InvalidRequest
-from serve_app.schemas.base import MemoryKind, OutputFormat, Prompt, Prompts
+from serve_app.schemas.base import MemoryKind, OutputFormat, Prompt, Prompts, rules
 from serve_app.schemas.generation import BatchGenerationRequest, GenerationParams, GenerationRequest
 from serve_app.schemas.internal import StageMetrics
 from serve_app.schemas.payloads import InputImage, TensorPayload, Trajectory
@@ -26,12 +27,52 @@ QUALITY_ACCELERATION: dict[str, Acceleration | None] = {
 SERVED_QUALITY = {"none": "high", "fast": "medium", "faster": "low"}
 
 
+# `size` in the document; ASCII digits and spaces only, so that Python and ECMA-262 agree.
+SIZE_PATTERN = r"^(auto| *[0-9]{1,5} *[xX] *[0-9]{1,5} *)$"
+
+
 def parse_size(size: str) -> tuple[int, int]:
     """`"512x768"` -> (width=512, height=768)."""
-    m = re.fullmatch(r"\s*(\d{1,5})\s*[xX]\s*(\d{1,5})\s*", size)
+    m = re.fullmatch(r" *([0-9]{1,5}) *[xX] *([0-9]{1,5}) *", size)
     if not m:
         raise ValueError("must look like 'WIDTHxHEIGHT', e.g. '512x512', or be 'auto'")
     return int(m.group(1)), int(m.group(2))
+
+
+# The rules of every image body that JSON Schema cannot say (`x-constraints`); a 400 for one
+# names its `param`. The deployment's own bounds (limits) are in the document as maximums.
+_MODEL_RULES = (
+    ("size", "width × height (given, or from `size`) is at most the deployment's limits.max_pixels; "
+     "`size` agrees with width and height when they are given too"),
+    ("width", "from `size`: at most limits.max_side"),
+    ("height", "from `size`: at most limits.max_side"),
+    ("num_frames", "only a video model takes it, a count its frame rule a·k+b allows (GET /v1/models), "
+     "at most limits.max_frames"),
+    ("fps", "only a video model takes it"),
+    ("output_format", "png, jpeg or webp for an image model; mp4, webp or gif for a video model"),
+    ("sampler", "one the model offers (GET /v1/models lists each model's samplers)"),
+    ("sigma_schedule", "one the request's sampler takes (GET /v1/models)"),
+    ("lora", "registered for the model the request goes to (404: not registered at all)"),
+    ("loras", "each registered for the model the request goes to and named once (with `lora`), at most "
+     "lora.max_per_request; not on a pool's checkpoint"),
+    ("extra", "keyword arguments the model's pipeline takes (checked by the engine)"),
+    ("true_cfg_scale", "only a model with true classifier-free guidance (FLUX) takes it"),
+    ("generator_device", "cpu, or the model's own device"),
+    ("acceleration", "a level the model offers (GET /v1/models: accelerations)"),
+    ("request_id", "not the id of a request queued or running now"),
+    ("webhook", "only with `Prefer: respond-async`; its host is one of jobs.webhook_hosts"),
+    ("webhook_events", "only with `webhook` and `Prefer: respond-async`"),
+    ("stream", "not with `Prefer: respond-async` (a job streams from GET /v1/jobs/{id}/events)"),
+    ("images_per_minute", "the request's images at most a minute of its tenant's images_per_minute"),
+    ("image_steps_per_minute", "its images × steps at most a minute of its tenant's image_steps_per_minute"),
+)  # fmt: skip
+_EDIT_RULES = (
+    ("image", "a PNG, JPEG or WebP file (or base64, or a data: URL of one), 8×8 to limits.max_input_pixels "
+     "pixels, for a model that takes an input image"),
+    ("mask", "like `image`, its size, for a model that inpaints"),
+    ("strength", "num_inference_steps × strength ≥ 1 where the model runs whole steps of it (SD, SDXL); "
+     "an instruction-edit model (FLUX.1 Kontext) takes none"),
+)  # fmt: skip
 
 
 class _ImagesCommon(GenerationParams):
@@ -40,7 +81,11 @@ class _ImagesCommon(GenerationParams):
     # OpenAI fields
     model: str | None = Field(None, max_length=256)
     num_images: int = Field(1, ge=1, alias="n", description="Images per prompt (OpenAI `n`).")
-    size: str | None = Field(None, description="'WIDTHxHEIGHT' or 'auto'.")
+    size: str | None = Field(
+        None,
+        description="'WIDTHxHEIGHT' or 'auto'; each side a multiple of 8, at least 8.",
+        json_schema_extra={"pattern": SIZE_PATTERN},
+    )
     response_format: Literal["b64_json", "url"] = Field(
         "b64_json", description="'url': signed links to the stored images (valid `jobs.url_ttl_s`)."
     )
@@ -51,7 +96,9 @@ class _ImagesCommon(GenerationParams):
         "`acceleration` wins when both are given.",
     )
     background: Literal["transparent", "opaque", "auto"] | None = Field(
-        None, description="`opaque` or `auto`; the models served here make no transparent images."
+        None,
+        description="`opaque` or `auto`; the models served here make no transparent images.",
+        json_schema_extra={"enum": ["opaque", "auto", None]},  # `transparent`: a 400 naming it
     )
     # OpenAI fields accepted for compatibility and ignored by diffusion models
     style: str | None = None
@@ -90,7 +137,9 @@ class _ImagesCommon(GenerationParams):
     @classmethod
     def _size_form(cls, v: str | None) -> str | None:
         if v is not None and v != "auto":
-            parse_size(v)
+            w, h = parse_size(v)
+            if min(w, h) < 8 or w % 8 or h % 8:
+                raise ValueError(f"{w}x{h}: each side must be a multiple of 8, at least 8")
         return v
 
     def _params(self) -> dict[str, Any]:
@@ -117,7 +166,10 @@ class _ImagesCommon(GenerationParams):
 class ImagesGenerationRequest(_ImagesCommon):
     """Body of `POST /v1/images/generations`."""
 
+    model_config = ConfigDict(json_schema_extra=rules(*_MODEL_RULES))
+
     prompt: Prompt
+    strength: SkipJsonSchema[float | None] = None  # edits only: refused here with a 400 naming it
 
     def to_generation_request(self) -> GenerationRequest:
         """Build the Python API request; its validators run again on the mapped fields."""
@@ -130,8 +182,12 @@ class ImagesEditRequest(_ImagesCommon):
     one, an edit model (FLUX.1 Kontext) edits by the prompt and other models remake the image
     (image-to-image, `strength`)."""
 
+    model_config = ConfigDict(json_schema_extra=rules(*_MODEL_RULES, *_EDIT_RULES))
+
     prompt: Prompt
-    image: list[InputImage] = Field(min_length=1, description="The image to edit (one).")
+    image: list[InputImage] = Field(
+        min_length=1, description="The image to edit (one).", json_schema_extra={"maxItems": 1}
+    )
     mask: InputImage | None = Field(None, description="Where to paint: transparent (alpha) or white.")
     # OpenAI edit fields accepted for compatibility and ignored by diffusion models
     input_fidelity: str | None = None
@@ -152,15 +208,27 @@ class ImagesEditRequest(_ImagesCommon):
 class VideosGenerationRequest(ImagesGenerationRequest):
     """Body of `POST /v1/videos`: a prompt to a video model, answered when the video is made."""
 
-    seconds: float | None = Field(
-        None, gt=0, le=600, description="Length; sets `num_frames` at the model's rule and `fps`."
+    model_config = ConfigDict(
+        json_schema_extra=rules(*_MODEL_RULES, ("model", "a video model (default: the default model)"))
     )
+
+    seconds: float | None = Field(
+        None,
+        gt=0,
+        le=600,
+        description="Length; sets `num_frames` at the model's rule (at least one step of it, however "
+        "short) and `fps`.",
+    )
+    partial_images: SkipJsonSchema[int | None] = None  # an image stream's: refused with a 400 naming it
 
 
 class ImagesBatchRequest(_ImagesCommon):
     """Body of `POST /v1/images/generations/batch`: several prompts, one parameter set."""
 
+    model_config = ConfigDict(json_schema_extra=rules(*_MODEL_RULES))
+
     prompts: Prompts
+    strength: SkipJsonSchema[float | None] = None  # edits only: refused here with a 400 naming it
 
     def to_generation_request(self) -> BatchGenerationRequest:
         return BatchGenerationRequest(prompts=self.prompts, **self._params())
