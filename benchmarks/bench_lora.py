@@ -61,7 +61,7 @@ def main() -> None:
 
     import httpx
 
-    from serve_app.lora import make_adapter
+    from serve_app.tools.lora import make_adapter
 
     work = Path(tempfile.mkdtemp(prefix="bench-lora-"))
     arch = a.model.removeprefix("builtin:")

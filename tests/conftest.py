@@ -21,7 +21,8 @@ from pathlib import Path
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# The proxy's X-Request-Id guard, as the README's commands start Ray (serve_app/proxy.py).
+# The proxy's X-Request-Id guard, as `diffusion-serve serve` and docs/deploying.md start Ray (the
+# documented alias serve_app/proxy.py of serve_app/ingress/proxy.py).
 os.environ.setdefault("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "serve_app.proxy:middlewares")
 
 import httpx  # noqa: E402

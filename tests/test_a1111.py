@@ -19,9 +19,9 @@ import httpx
 import pytest
 from PIL import Image
 
-from serve_app.access import AccessPolicy
 from serve_app.errors import Forbidden, InvalidRequest, NotFound
 from serve_app.ingress.a1111 import may_choose, take_loras
+from serve_app.ingress.access import AccessPolicy
 from tests.conftest import ADAPTER_DIR, SESSION_DIR, TEST_ARGS, app_args, deploy, wait_for
 
 KEY_A, KEY_B = "a1111-user-a-5d1e", "a1111-user-b-09c4"
@@ -152,7 +152,7 @@ def test_img2img_and_inpainting(client):
 
 
 def test_a_lora_tag_applies_a_registered_adapter(client):
-    from serve_app.lora import make_adapter
+    from serve_app.tools.lora import make_adapter
 
     path = make_adapter(str(ADAPTER_DIR / "a1111-tag.safetensors"), seed=51, strength=2.0)
     assert client.post("/v1/loras", json={"name": "a1111-tag", "path": str(path)}).status_code == 200

@@ -21,7 +21,7 @@ def run_check(*args: str) -> subprocess.CompletedProcess:
 
 def check_here(capsys, *args: str) -> tuple[int, str, str]:
     """The same command in this process (saves the seconds of a new interpreter)."""
-    from serve_app.check import main
+    from serve_app.tools.check import main
 
     code = main(list(args))
     out = capsys.readouterr()

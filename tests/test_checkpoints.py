@@ -13,19 +13,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from serve_app import checkpoints as ck
-from serve_app.checkpoints import (
-    CheckpointRegistry,
-    check_checkpoint_name,
-    check_checkpoint_source,
-    family_of,
-)
-from serve_app.cli import checkpoint_lines, parser
 from serve_app.config import ModelConfig
 from serve_app.engine import CallParams, DiffusionEngine, Row
 from serve_app.engine.builtin import build_builtin
 from serve_app.errors import InvalidRequest, NotFound
+from serve_app.formats import sources
+from serve_app.formats.layouts import family_of
+from serve_app.formats.sources import check_checkpoint_source
+from serve_app.registries import CheckpointRegistry, check_checkpoint_name
 from serve_app.replica.checkpoints import CheckpointResidency, _file_digest, component_fingerprints
+from serve_app.tools.cli import checkpoint_lines, parser
 
 SMALL = CallParams(height=32, width=32, steps=2, guidance_scale=7.5)
 
@@ -139,7 +136,7 @@ def test_the_walk_is_bounded(tmp_path, monkeypatch):
     for i in range(20):
         (big / "unet" / f"part{i}.safetensors").write_bytes(b"x")
     check_checkpoint_source(str(big), [str(tmp_path)], allow_hub=False)
-    monkeypatch.setattr(ck, "MAX_WALK_ENTRIES", 10)
+    monkeypatch.setattr(sources, "MAX_WALK_ENTRIES", 10)
     assert "more than 10 files" in _refusal(str(big), [str(tmp_path)], tmp_path)
 
 

@@ -1,9 +1,11 @@
-"""The README's way in: `serve deploy` and `serve run` of serve_config.yaml against `ray start --head`.
+"""The ways in: `serve deploy` of serve_config.yaml against `ray start --head` (docs/deploying.md),
+and the README's first command, `diffusion-serve serve serve_config.yaml`, which starts a Ray of
+its own.
 
 A second Ray cluster, started by the CLI with its own ports beside the session's, so that
-the deployment goes through exactly the path a user takes. The scenario runs in a thread beside
-the session's other tests (`background_report`, tests/conftest.py); each test raises what stopped
-its part.
+the deployment goes through exactly the path a user takes; `diffusion-serve serve` then starts a
+third, as a newcomer's first command does. The scenario runs in a thread beside the session's
+other tests (`background_report`, tests/conftest.py); each test raises what stopped its part.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import base64
 import contextlib
 import io
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -25,7 +28,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from serve_app.shapes import read_image
+from serve_app.shapes.scenes import read_image
 from tests.conftest import free_port, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.own_cluster]
@@ -34,7 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 # The README's first request (seed 1) and the playground's default prompt.
 FIRST_PROMPT = "a yellow star on a black background"
-GUARD = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"  # set by conftest, as the README does
+GUARD = "RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH"  # set by conftest, as docs/deploying.md does
+DEPLOYING = ROOT / "docs" / "deploying.md"
 
 
 def _wait_for_image(url: str, deadline_s: float, prompt: str = "cli", steps: int | None = 2) -> dict:
@@ -109,8 +113,8 @@ def cli_cluster():
 
 
 def background() -> dict:
-    """The CLI's cluster, `serve deploy` on it and then `serve run`: for each, None or the error
-    that stopped it (its test raises it)."""
+    """The CLI's cluster and `serve deploy` on it, then `diffusion-serve serve` on a Ray of its
+    own: for each, None or the error that stopped it (its test raises it)."""
     report = {}
     with cli_cluster() as cli:
         for part, run in (("deploy", deploy_then_status_then_shutdown), ("run", serve_run)):
@@ -170,19 +174,36 @@ def scale_without_reloading(cli) -> None:
 
 
 def serve_run(cli) -> None:
+    """The README's first command, `diffusion-serve serve serve_config.yaml`, in an environment
+    without the proxy guard's variable: it becomes `serve run`, which starts a Ray of its own
+    (`RAY_ADDRESS=local`: not the session's or the CLI's cluster) whose proxy has the guard."""
+    env = {k: v for k, v in os.environ.items() if k not in (GUARD, "RAY_AUTH_MODE")}
+    env.update(RAY_USAGE_STATS_ENABLED="0", RAY_ADDRESS="local")
     proc = subprocess.Popen(
-        [str(BIN / "serve"), "run", "--address", cli["gcs"], str(cli["config"])],
-        env=cli["env"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [str(BIN / "diffusion-serve"), "serve", str(cli["config"])], cwd=ROOT, env=env,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
     )  # fmt: skip
     try:
-        body = _wait_for_image(cli["url"], 180)
+        body = _wait_for_image(cli["url"], 240)
         assert body["model"] == "shapes"
+        # The guard `diffusion-serve serve` set: Serve's proxy would answer a plain 500.
+        r = httpx.get(cli["url"] + "/health", headers={"X-Request-Id": b"\xff"}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "X-Request-Id", r.text
+        # exec: the process started is `serve run` itself, with the variable in its environment.
+        argv = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")
+        assert b"run" in argv and str(cli["config"]).encode() in argv, argv
+        environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
+        assert f"{GUARD}=serve_app.proxy:middlewares".encode() in environ
     finally:
         proc.send_signal(signal.SIGTERM)  # a background `serve run` ignores SIGINT
         try:
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait(30)
+        # The Ray it started (its own session): whatever outlived it goes with the group.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_serve_deploy_then_status_then_shutdown(background_report):
@@ -203,10 +224,52 @@ def test_the_readme_and_the_playground_start_with_the_first_prompt():
     assert f'<textarea id="prompt" required>{FIRST_PROMPT}</textarea>' in page
 
 
-def test_the_readme_starts_ray_with_the_proxy_guard():
-    """Both of the README's ways to start Ray install serve_app/proxy.py as the tests do."""
+def test_the_readme_and_the_deploy_guide_start_ray_with_the_proxy_guard():
+    """The README's first command is `diffusion-serve serve`, which sets the guard the tests set
+    (serve_app/proxy.py); docs/deploying.md exports it before `ray start --head`."""
+    from serve_app.tools.cli import PROXY_GUARD
+
     readme = (ROOT / "README.md").read_text()
-    guard = f"export RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH={os.environ[GUARD]}"
-    assert os.environ[GUARD] == "serve_app.proxy:middlewares"
-    assert f"-e . && {guard} && serve run serve_config.yaml" in readme
-    assert f"{guard}   # see" in readme.split("ray start --head")[0].rsplit("```bash", 1)[1]
+    assert PROXY_GUARD == (GUARD, os.environ[GUARD]) == (GUARD, "serve_app.proxy:middlewares")
+    first = re.search(r"```bash\n(.*?)\n```", readme, re.S)[1]
+    assert first == (
+        "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 -e . && "
+        "diffusion-serve serve serve_config.yaml"
+    )
+    guard = f"export {GUARD}={os.environ[GUARD]}"
+    deploying = DEPLOYING.read_text()
+    assert f"{guard}   # see" in deploying.split("ray start --head")[0].rsplit("```bash", 1)[1]
+
+
+def test_diffusion_serve_serve_execs_serve_run_with_the_guard(monkeypatch):
+    """`diffusion-serve serve [CONFIG] [ARGS...]` becomes `serve run CONFIG ARGS...` (CONFIG is
+    serve_config.yaml unless the first argument is one), the `serve` beside this Python, with
+    the guard in its environment unless the variable is set already."""
+    from serve_app.tools import cli
+
+    class Execd(Exception):
+        pass
+
+    ran = []
+
+    def execv(path, argv):
+        ran.append((path, argv[1:], os.environ.get(GUARD)))
+        raise Execd
+
+    monkeypatch.setattr(cli.os, "execv", execv)
+    for args, mine, expected in [
+        ([], None, ["run", "serve_config.yaml"]),
+        (
+            ["x.yaml", "--address", "local", "-a", "b"],
+            None,
+            ["run", "x.yaml", "--address", "local", "-a", "b"],
+        ),
+        (["--non-blocking"], "my.guard:m", ["run", "serve_config.yaml", "--non-blocking"]),
+    ]:
+        if mine:
+            monkeypatch.setenv(GUARD, mine)
+        else:
+            monkeypatch.delenv(GUARD, raising=False)
+        with pytest.raises(Execd):
+            cli.main(["serve", *args])
+        assert ran.pop() == (str(BIN / "serve"), expected, mine or "serve_app.proxy:middlewares")

@@ -81,7 +81,7 @@ def test_edit_and_inpaint_an_image_file(base_url, tmp_path):
 
 
 def test_stacked_adapters_from_the_command_line(base_url, tmp_path):
-    from serve_app.lora import make_adapter
+    from serve_app.tools.lora import make_adapter
     from tests.conftest import ADAPTER_DIR
 
     for name, seed in (("cli-a", 21), ("cli-b", 22)):

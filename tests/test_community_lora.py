@@ -1,6 +1,6 @@
 """Adapters in the kohya-ss (A1111) layout: `lora_unet_...` and `lora_te_...` modules with
 `.lora_down.weight`, `.lora_up.weight` and an `.alpha` each. The same weights written in that
-layout (`serve_app.lora.to_kohya`, with an alpha other than the rank) make the same images as in
+layout (`serve_app.formats.lora.to_kohya`, with an alpha other than the rank) make the same images as in
 the diffusers layout; their text encoder parts change the text encoder, also for one row of a
 call whose rows have other adapters; registered over HTTP like any adapter, and a file cut short
 or a pickle under a `.safetensors` name is a 400 naming `path`."""
@@ -18,8 +18,9 @@ from safetensors.torch import load_file, save_file
 
 from serve_app.engine import CallParams, Row
 from serve_app.engine.adapters import read_adapter
-from serve_app.lora import main as lora_main
-from serve_app.lora import make_adapter, to_kohya
+from serve_app.formats.lora import to_kohya
+from serve_app.tools.lora import main as lora_main
+from serve_app.tools.lora import make_adapter
 from tests.conftest import ADAPTER_DIR, SESSION_DIR, engine_cache
 
 PROMPT = "a red circle"

@@ -155,18 +155,26 @@ def test_a_model_that_cannot_load_and_a_start_past_its_deadline_fail_fast_with_t
 
 @pytest.mark.slow
 def test_the_import_rules_hold_in_fresh_interpreters():
-    """docs/architecture.md's rules, each module imported alone: the engine without Ray, the
-    ingress and the wire schema without the engine or torch, and the app's build (what
+    """docs/architecture.md's rules, each module imported alone: the engine without Ray or the
+    wire schema, the ingress and the wire schema without the engine or torch, weight files
+    without the engine, the proxy guard and the console client light, and the app's build (what
     `serve run` and `serve deploy`'s build task import) without diffusers, which the replica
     imports when it loads its pipeline (about 6 s saved on every build)."""
     import subprocess
     import sys
 
     forbidden = {
-        "serve_app.engine": ["ray"],
+        "serve_app.engine": ["ray", "serve_app.schemas"],
         "serve_app.ingress.deployment": ["serve_app.engine", "torch", "diffusers"],
         "serve_app.schemas": ["serve_app.engine", "torch", "ray"],
         "serve_app.app": ["diffusers", "transformers", "peft"],
+        # weight files: the ingress checks them without torch, the engine loads them without Ray
+        "serve_app.formats.lora": ["torch", "serve_app.engine", "ray"],
+        "serve_app.formats.sources": ["torch", "serve_app.engine", "ray"],
+        "serve_app.formats.single_file_load": ["serve_app.engine", "ray", "diffusers"],
+        # every Serve proxy imports the guard when it starts; the console client is stdlib only
+        "serve_app.proxy": ["fastapi", "pydantic", "torch"],
+        "serve_app.tools.cli": ["serve_app.errors", "pydantic", "torch", "ray"],
     }
     procs = {
         module: subprocess.Popen(

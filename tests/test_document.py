@@ -11,10 +11,10 @@ import sys
 import pytest
 from fastapi.testclient import TestClient
 
-from serve_app import checkpoints, lora
-from serve_app.access import AccessPolicy
+from serve_app import registries
 from serve_app.config import AppConfig
 from serve_app.errors import InvalidRequest
+from serve_app.ingress.access import AccessPolicy
 from serve_app.ingress.http import make_app
 from serve_app.ingress.openapi import for_deployment, operations
 from serve_app.schemas import (
@@ -52,13 +52,13 @@ def test_a_prompt_the_pattern_takes_is_one_the_server_takes():
 
 
 def test_the_documented_patterns_are_the_servers():
-    assert LORA_NAME_REGEX == lora.NAME_PATTERN.pattern
-    assert CHECKPOINT_NAME_REGEX == checkpoints.CHECKPOINT_NAME.pattern
+    assert LORA_NAME_REGEX == registries.NAME_PATTERN.pattern
+    assert CHECKPOINT_NAME_REGEX == registries.CHECKPOINT_NAME.pattern
     assert REQUEST_ID_REGEX == REQUEST_ID_PATTERN.pattern
     for name in (".", "..", "...", ".hidden", "a/b", "", "x" * 129):
         assert not re.search(CHECKPOINT_NAME_REGEX, name)
         with pytest.raises(InvalidRequest, match="^name: "):
-            checkpoints.check_checkpoint_name(name)
+            registries.check_checkpoint_name(name)
     assert re.search(CHECKPOINT_NAME_REGEX, "sd-1.5_ft") and re.search(TRACE_PREFIX_REGEX, "run.1")
     # `size`: what the pattern takes, parse_size reads (ASCII digits only, as ECMA-262's)
     for size in ("512x768", " 64 X 64 ", "auto"):

@@ -241,7 +241,7 @@ def test_abort_an_edit_mid_run(client):
 
 
 def test_an_adapter_applies_to_an_edit(client):
-    from serve_app.lora import make_adapter
+    from serve_app.tools.lora import make_adapter
 
     path = make_adapter(str(ADAPTER_DIR / "edit-style.safetensors"), seed=9, strength=2.0)
     assert client.post("/v1/loras", json={"name": "edit-style", "path": str(path)}).status_code == 200
@@ -313,7 +313,7 @@ def test_requests_shaped_as_vllm_omni_documents_them(client):
                                                          "vae_use_slicing": True})  # fmt: skip
     assert tiled.status_code == 200, tiled.text
     # vLLM-Omni's adapter names (lora_name, lora_scale, int_id) and its edit form fields.
-    from serve_app.lora import make_adapter
+    from serve_app.tools.lora import make_adapter
 
     path = make_adapter(str(ADAPTER_DIR / "omni.safetensors"), seed=11)
     assert client.post("/v1/loras", json={"name": "omni", "path": str(path)}).status_code == 200

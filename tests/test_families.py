@@ -20,7 +20,7 @@ from PIL import Image
 from serve_app.engine import CallParams, DiffusionEngine, Row
 from serve_app.engine.engine import find_denoiser, latents_preview
 from serve_app.engine.media import encode_output
-from serve_app.lora import make_adapter
+from serve_app.tools.lora import make_adapter
 from tests.conftest import engine_cache
 
 TWINS = ["tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-wan"]

@@ -18,9 +18,9 @@ import pytest
 import torch
 from PIL import Image
 
-from serve_app.lora import make_adapter
 from serve_app.schemas import GenerationRequest, TensorPayload
 from serve_app.testing import SLOW_MARKER
+from serve_app.tools.lora import make_adapter
 from tests.conftest import ADAPTER_DIR, SESSION_DIR, app_args, wait_for
 
 pytestmark = pytest.mark.slow  # four apps of their own

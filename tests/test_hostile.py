@@ -15,7 +15,7 @@ import pytest
 from PIL import Image
 
 from serve_app.errors import InvalidRequest
-from serve_app.webhooks import check_url, post
+from serve_app.jobs.webhooks import check_url, post
 from tests.conftest import ADMIN_KEY, KEYED_JOBS, USER_KEY, USER_KEY_B, wait_for
 from tests.test_jobs import Receiver
 
@@ -98,9 +98,9 @@ def test_a_literal_address_is_refused_when_the_call_is_made_too():
 
 
 def test_odd_bytes_in_a_link_signature_an_adapter_path_and_a_prompt():
+    from serve_app.formats.lora import check_adapter_file
     from serve_app.ingress.checks import validation_to_error
     from serve_app.jobs import signature_ok
-    from serve_app.lora import check_adapter_file
     from serve_app.schemas import ImagesGenerationRequest
 
     assert signature_ok(b"k", "res_x/0.png", int(time.time()) + 60, "\u00e9") is False

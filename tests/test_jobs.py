@@ -261,7 +261,7 @@ def test_the_store_prunes_by_age_and_size_and_links_are_signed(tmp_path):
 
 def test_webhook_targets_without_an_allow_list():
     from serve_app.errors import InvalidRequest
-    from serve_app.webhooks import check_url, post
+    from serve_app.jobs.webhooks import check_url, post
 
     check_url("https://hooks.example.com/x", [])
     check_url("http://cafe.de/hook", [])  # hex-looking letters are still a name

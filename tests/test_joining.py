@@ -271,8 +271,8 @@ def test_requests_with_other_steps_and_guidance_join_too(replica):
 
 
 def test_an_adapter_evicted_between_two_steps_still_applies_to_the_whole_call(replica, tmp_path):
-    from serve_app.lora import make_adapter
     from serve_app.schemas import LoraRef
+    from serve_app.tools.lora import make_adapter
 
     path = make_adapter(str(tmp_path / "style.safetensors"), seed=4, strength=4.0)
     styled = req("a red cat", "l-a", 1).model_copy(

@@ -23,9 +23,9 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from serve_app import kube
-from serve_app.access import OPEN_ROUTES
 from serve_app.config import AppConfig, AuthConfig, JobsConfig
+from serve_app.ingress.access import OPEN_ROUTES
+from serve_app.tools import kube
 from tests.conftest import app_args, deploy, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,6 +33,7 @@ KUBE = ROOT / "deploy" / "kubernetes"
 MANIFEST = KUBE / "rayservice.yaml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "diffusion-serve.json"
 GUIDE = ROOT / "docs" / "kubernetes.md"
+DEPLOYING = ROOT / "docs" / "deploying.md"
 SECRET = "diffusion-serve-keys"
 
 
@@ -329,12 +330,16 @@ def readme_first_command() -> list[str]:
 def test_the_image_installs_as_the_readme_does_on_a_cuda_base_without_weights():
     steps = dockerfile()
     readme = readme_first_command()
-    install = readme[: next(i for i, p in enumerate(readme) if p.startswith("export "))]
+    # The install: what comes before the command that starts the service (`diffusion-serve serve`).
+    install = readme[: next(i for i, p in enumerate(readme) if p.startswith(("diffusion-serve ", "export ")))]
     assert install[-1].startswith("pip install torch==")
     assert ("RUN", " && ".join(install)) in steps  # the README's install line, as it is
     assert steps[0][0] == "FROM" and steps[0][1].startswith("nvidia/cuda:")
-    # Ray reads the proxy guard when it starts, as the README's command exports it.
-    guard = next(p for p in readme if p.startswith("export ")).removeprefix("export ")
+    # Ray reads the proxy guard when it starts: the image runs `serve run` itself, so it sets the
+    # variable that `diffusion-serve serve` sets, as docs/deploying.md exports it before `serve run`.
+    guard = re.search(
+        r"^export (RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH=\S+)", DEPLOYING.read_text(), re.M
+    )[1]
     env = " ".join(args for op, args in steps if op == "ENV")
     assert guard in env.split()
     # No weights: nothing downloads a model, and only the package and its configs go in.
@@ -608,7 +613,7 @@ def test_the_dashboards_refusal_and_retry_queries_name_what_the_app_exports(ops_
     assert r.status_code == 200, r.text
     assert _post(base_url, prefix, OPEN_KEY, seed=99).status_code == 200  # served by the other replica
     # An adapter registered, used once (a load on a replica) and removed again.
-    from serve_app.lora import make_adapter
+    from serve_app.tools.lora import make_adapter
     from tests.conftest import ADAPTER_DIR
 
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}

@@ -15,7 +15,7 @@ from ray import serve
 from safetensors.torch import load_file, save_file
 
 from serve_app.app import build_app
-from serve_app.lora import make_adapter
+from serve_app.tools.lora import make_adapter
 from tests.conftest import ADAPTER_DIR, SESSION_DIR, TEST_ARGS, replica_held, wait_for
 
 APP = "lora"
@@ -227,7 +227,7 @@ def test_requests_with_different_adapters_share_one_call_over_http(client):
     """On the shared app (one replica, a 100 ms batch window): a request with adapter A, one
     with adapter B, one with none, one with A at half its scale and one stacking both, sent
     together, run as one pipeline call, and each gets the image it gets alone."""
-    from serve_app.lora import make_adapter
+    from serve_app.tools.lora import make_adapter
 
     for name, seed in (("mix-a", 31), ("mix-b", 32)):
         path = make_adapter(str(ADAPTER_DIR / f"{name}.safetensors"), seed=seed, strength=2.0)
@@ -266,7 +266,7 @@ def decoded(body: dict) -> np.ndarray:
 def test_a_peft_adapter_directory_registers_over_http(client):
     """PEFT's layout registered on the shared app gives the image of the same adapter as a file,
     and the answer names the directory relative to its root."""
-    from serve_app.lora import make_adapter
+    from serve_app.tools.lora import make_adapter
 
     file = make_adapter(str(ADAPTER_DIR / "dir-twin.safetensors"), seed=41, strength=2.0)
     make_adapter(str(ADAPTER_DIR / "peft-dir"), seed=41, strength=2.0, alpha=8)  # lora_alpha = 2r

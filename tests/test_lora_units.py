@@ -9,7 +9,9 @@ import pytest
 from safetensors.torch import load_file
 
 from serve_app.errors import Forbidden, InvalidRequest, NotFound
-from serve_app.lora import Registry, check_adapter_file, check_name, make_adapter
+from serve_app.formats.lora import check_adapter_file
+from serve_app.registries import Registry, check_name
+from serve_app.tools.lora import make_adapter
 
 
 def test_maker_is_deterministic_and_writes_diffusers_keys(tmp_path):

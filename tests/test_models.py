@@ -23,8 +23,8 @@ from ray import serve
 
 from serve_app.app import build_app, deployment_name
 from serve_app.config import AppConfig
-from serve_app.lora import make_adapter
 from serve_app.schemas import PreparedRequest
+from serve_app.tools.lora import make_adapter
 from tests.conftest import ADAPTER_DIR, SESSION_DIR, TEST_ARGS, wait_for
 
 APP = "multi"

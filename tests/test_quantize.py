@@ -11,7 +11,7 @@ import torch
 from serve_app.config import ModelConfig, Optimizations
 from serve_app.engine import CallParams, DiffusionEngine, Row
 from serve_app.engine.engine import ModelLoadError, find_denoiser
-from serve_app.lora import make_adapter
+from serve_app.tools.lora import make_adapter
 
 
 def engine(name: str, quantize: str = "none") -> DiffusionEngine:

@@ -6,19 +6,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from serve_app import shapes
+from serve_app.shapes import scenes
 
 
 def test_checker_reads_every_scene_of_the_grammar():
     rng = np.random.default_rng(7)
     for i in range(300):
-        scene = shapes.random_scene(rng, held_out=i % 4 == 0)
-        r = shapes.read_image(shapes.render(scene))
+        scene = scenes.random_scene(rng, held_out=i % 4 == 0)
+        r = scenes.read_image(scenes.render(scene))
         got = (r.colour, r.shape, r.position, r.background)
         assert got == (scene.colour, scene.shape, scene.position, scene.background), scene
         assert r.colour_fraction > 0.7  # antialiased edges blend into the background
 
 
 def test_checker_sees_no_shape_in_a_flat_image():
-    r = shapes.read_image(np.full((64, 64, 3), shapes.PALETTE["blue"], np.uint8))
+    r = scenes.read_image(np.full((64, 64, 3), scenes.PALETTE["blue"], np.uint8))
     assert (r.shape, r.background, r.area) == ("none", "blue", 0)

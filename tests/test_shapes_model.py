@@ -1,6 +1,6 @@
 """`builtin:shapes`, the model the project trains itself, judged by what its images show.
 
-The checker (`serve_app.shapes.read_image`, tested on rendered scenes in test_shapes.py) reads
+The checker (`serve_app.shapes.scenes.read_image`, tested on rendered scenes in test_shapes.py) reads
 each image's colour, shape, position and background from pixels; these tests ask it whether a
 prompt, an adapter, an inpainting mask and a step-cache setting did what they should.
 """
@@ -16,9 +16,9 @@ import pytest
 import torch
 from PIL import Image
 
-from serve_app import shapes
 from serve_app.engine import CallParams, Row
 from serve_app.engine.builtin import GREEN_LORA
+from serve_app.shapes import scenes
 from tests.conftest import engine_cache
 from tests.test_step_cache import psnr
 
@@ -38,12 +38,12 @@ def params(**kw) -> CallParams:
     return CallParams(height=64, width=64, steps=kw.pop("steps", 20), guidance_scale=GUIDANCE, **kw)
 
 
-def read_rows(engine, rows: list[Row], **kw) -> list[shapes.Reading]:
+def read_rows(engine, rows: list[Row], **kw) -> list[scenes.Reading]:
     """The checker's reading of each row's image, all rows in one engine call."""
-    return [shapes.read_image(im) for im in engine.run(rows, params(**kw)).images]
+    return [scenes.read_image(im) for im in engine.run(rows, params(**kw)).images]
 
 
-def readings(engine, prompt: str, seeds=SEEDS, **kw) -> list[shapes.Reading]:
+def readings(engine, prompt: str, seeds=SEEDS, **kw) -> list[scenes.Reading]:
     return read_rows(engine, [Row(prompt, None, s) for s in seeds], **kw)
 
 
@@ -75,19 +75,19 @@ def test_the_vae_keeps_every_shape_readable(engine):
     """The UNet draws in the VAE's latents, so what a round trip through the VAE blurs away no
     prompt can bring back: on its reconstructions of 200 fresh scenes the checker must still
     read each shape. (The VAE trained 500 steps read 70%, stars 40%.)"""
-    from serve_app.training.stages import round_trip_reading
+    from serve_app.shapes.stages import round_trip_reading
 
     got = round_trip_reading(engine.pipe.vae)
     print("shapes read right after a VAE round trip:", got)
-    assert got["all"] >= 0.85 and min(got[s] for s in shapes.SHAPES) >= 0.8, got
+    assert got["all"] >= 0.85 and min(got[s] for s in scenes.SHAPES) >= 0.8, got
 
 
 def test_the_colour_and_the_background_asked_for_are_drawn(engine):
     """Every colour of the palette, as the object and as the background, 3 seeds each. (The
     shape is not asked: circles, triangles and large stars are learned, squares only now and then,
     docs/shapes-model.md.)"""
-    n = len(shapes.COLOURS)
-    asked = [(shapes.COLOURS[i], shapes.COLOURS[(i + 5) % n]) for i in range(n)]  # background: another
+    n = len(scenes.COLOURS)
+    asked = [(scenes.COLOURS[i], scenes.COLOURS[(i + 5) % n]) for i in range(n)]  # background: another
     rows = [Row(f"a {c} circle on a {bg} background", None, s) for c, bg in asked for s in range(3)]
     got = read_rows(engine, rows)
     want = [pair for pair in asked for _ in range(3)]
@@ -99,16 +99,16 @@ def test_the_colour_and_the_background_asked_for_are_drawn(engine):
 
 def test_the_place_asked_for_is_drawn(engine):
     """Each of the 9 places, 2 seeds each, with the same colours: only the place word changes."""
-    asked = [(i, s) for i in range(len(shapes.POSITIONS)) for s in range(2)]
-    rows = [Row(f"a red circle on a blue background, {shapes.POSITIONS[i]}", None, s) for i, s in asked]
+    asked = [(i, s) for i in range(len(scenes.POSITIONS)) for s in range(2)]
+    rows = [Row(f"a red circle on a blue background, {scenes.POSITIONS[i]}", None, s) for i, s in asked]
     got = read_rows(engine, rows)
     right = np.mean([r.position == i for (i, _), r in zip(asked, got, strict=True)])
     print(f"place {right:.0%} of {len(asked)}")
-    assert right >= 0.8, [(shapes.POSITIONS[i], r) for (i, _), r in zip(asked, got, strict=True)]
+    assert right >= 0.8, [(scenes.POSITIONS[i], r) for (i, _), r in zip(asked, got, strict=True)]
 
 
 def test_the_green_adapter_paints_the_shape_green_at_scale_1_and_not_at_0(engine, tmp_path):
-    from serve_app import lora
+    from serve_app.tools import lora
 
     lora.main(["green", "--out", str(tmp_path / "green.safetensors")])  # the README's way to get it
     assert (tmp_path / "green.safetensors").read_bytes() == GREEN_LORA.read_bytes()
@@ -134,7 +134,7 @@ def round_trip(engine, image: np.ndarray) -> np.ndarray:
 
 
 def test_inpainting_paints_the_prompt_inside_the_mask_and_keeps_the_rest(engine):
-    before = shapes.render(shapes.Scene("circle", "red", "blue", 0, "large"))  # top left, on blue
+    before = scenes.render(scenes.Scene("circle", "red", "blue", 0, "large"))  # top left, on blue
     mask = np.zeros((64, 64), np.uint8)
     mask[32:, 32:] = 255  # the bottom-right quarter, away from the circle
     rows = [Row("a yellow circle on a blue background, bottom right", None, s, image=Image.fromarray(before),
@@ -144,7 +144,7 @@ def test_inpainting_paints_the_prompt_inside_the_mask_and_keeps_the_rest(engine)
     far = np.ones((64, 64), bool)
     far[24:, 24:] = False  # at least 8 pixels from the mask: the VAE's decoder blends the edge
     kept = round_trip(engine, before)
-    yellow = shapes.COLOURS.index("yellow")
+    yellow = scenes.COLOURS.index("yellow")
     for im in out.images:
         after = np.asarray(im).astype(int)
         # Outside the mask: the input as the VAE gives it back (a latent pipeline keeps no more;
@@ -152,13 +152,13 @@ def test_inpainting_paints_the_prompt_inside_the_mask_and_keeps_the_rest(engine)
         drift = np.abs(after - kept).max(-1)[far].mean()
         print(f"inpainting: {drift:.1f} levels from the input's round trip outside the mask")
         assert drift < 25  # measured 19.2-21.0
-        seen = shapes.read_image(np.where(inside[..., None], kept, after).astype(np.uint8))
+        seen = scenes.read_image(np.where(inside[..., None], kept, after).astype(np.uint8))
         assert (seen.colour, seen.background, seen.position) == ("red", "blue", 0), seen
         # Inside: the prompt's yellow circle (measured 41-44% of the quarter), nowhere outside.
-        painted = (shapes.nearest_colour(after[inside]) == yellow).mean()
+        painted = (scenes.nearest_colour(after[inside]) == yellow).mean()
         print(f"inpainting: {painted:.0%} of the quarter yellow")
         assert painted > 0.15
-        assert (shapes.nearest_colour(after[outside]) == yellow).mean() < 0.01
+        assert (scenes.nearest_colour(after[outside]) == yellow).mean() < 0.01
 
 
 def test_a_step_cache_keeps_what_the_image_shows(engine):
@@ -175,7 +175,7 @@ def test_a_step_cache_keeps_what_the_image_shows(engine):
             db = psnr(a, b)
             print(f"{level} {p!r}: PSNR {db:.1f} dB to the uncached image")
             assert 15 < db < math.inf, (level, p, db)
-            ra, rb = shapes.read_image(a), shapes.read_image(b)
+            ra, rb = scenes.read_image(a), scenes.read_image(b)
             # The shape is left out: squares and stars are mostly blobs, whose reading flips easily.
             for field in ("colour", "background", "position"):
                 assert getattr(ra, field) == getattr(rb, field), (level, p, field)
@@ -184,12 +184,12 @@ def test_a_step_cache_keeps_what_the_image_shows(engine):
 def test_training_is_repeatable_bit_for_bit(tmp_path):
     """Two short runs from the same seed write the same bytes (the full run is the same code
     with more steps)."""
-    from serve_app import train_tiny
+    from serve_app.shapes import train
 
     def run(out: Path) -> dict[str, str]:
         stages = ("--vae-steps", "--unet-steps", "--shape-steps", "--lora-steps")
         steps = [arg for stage in stages for arg in (stage, "2")]
-        train_tiny.main(["--out", str(out), "--scenes", "64", "--batch", "4", "--threads", "1", *steps])
+        train.main(["--out", str(out), "--scenes", "64", "--batch", "4", "--threads", "1", *steps])
         return {
             str(f.relative_to(out)): hashlib.sha256(f.read_bytes()).hexdigest()
             for f in sorted(out.rglob("*"))

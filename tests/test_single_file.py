@@ -22,10 +22,10 @@ from safetensors.torch import load_file, save_file
 from serve_app.config import ModelConfig
 from serve_app.engine import CallParams, DiffusionEngine, ModelLoadError, Row
 from serve_app.engine.builtin import build_builtin
-from serve_app.engine.checkpoint_file import write_configs
-from serve_app.layouts import checkpoint_layout
-from serve_app.single_file import main as write_main
-from serve_app.single_file import write_single_file
+from serve_app.formats.layouts import checkpoint_layout
+from serve_app.formats.single_file_load import write_configs
+from serve_app.formats.single_file_write import write_single_file
+from serve_app.tools.single_file import main as write_main
 from tests.conftest import app_args, engine_cache
 from tests.conftest import deploy as deploy_app
 
@@ -398,8 +398,8 @@ def test_the_header_check_takes_every_real_file_and_refuses_hostile_headers(tmp_
     ranges are refused as what they are, never an internal error."""
     import struct
 
-    from serve_app.engine.checkpoint_file import _checked_file
-    from serve_app.layouts import FileRefused, safetensors_keys
+    from serve_app.formats.layouts import FileRefused, safetensors_keys
+    from serve_app.formats.single_file_load import CheckpointRefused, _checked_file
 
     real = tmp_path / "real.safetensors"
     for k in range(1, 700):  # a header of exactly 640 bytes: it begins 0x80 0x02
@@ -426,7 +426,7 @@ def test_the_header_check_takes_every_real_file_and_refuses_hostile_headers(tmp_
             safetensors_keys(written(f"{name}.safetensors", header))
     shouting = tmp_path / "REAL.SAFETENSORS"
     shouting.write_bytes(real.read_bytes())
-    with pytest.raises(ModelLoadError, match="name ends in .safetensors"):
+    with pytest.raises(CheckpointRefused, match="name ends in .safetensors"):
         _checked_file(str(shouting))  # diffusers would read it with torch.load
 
 
@@ -436,7 +436,7 @@ def test_the_flux_converter_agrees_with_diffusers_at_flux1s_width():
     the tensors one column wide but for the rows the widths are read from."""
     from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
 
-    from serve_app.engine.flux_file import flux_from_original, flux_to_original
+    from serve_app.formats.flux_file import flux_from_original, flux_to_original
 
     width, g = 3072, torch.Generator().manual_seed(0)
     names = flux_to_original(build_builtin("tiny-flux").transformer.state_dict())

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from ray import serve
 
-from serve_app.access import ADMIN_CLOSED, AccessPolicy
+from serve_app.ingress.access import ADMIN_CLOSED, AccessPolicy
 from serve_app.testing import FAIL_MARKER, OOM_MARKER
 from tests.conftest import SESSION_DIR, app_args, deploy, wait_for
 

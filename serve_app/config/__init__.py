@@ -12,6 +12,13 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from serve_app.config.deployments import (  # re-exported: one configuration
+    AutoscalingSettings,
+    BatchingConfig,
+    IngressConfig,
+    MultiplexSettings,
+    ReplicaConfig,
+)
 from serve_app.config.services import (  # re-exported: one configuration
     AuthConfig,
     CheckpointsConfig,
@@ -21,7 +28,7 @@ from serve_app.config.services import (  # re-exported: one configuration
     TenantConfig,
     _Strict,
 )
-from serve_app.layouts import PICKLE_REASON, is_pickle_name, is_single_file
+from serve_app.formats.layouts import PICKLE_REASON, is_pickle_name, is_single_file
 
 BUILTIN_PREFIX = "builtin:"
 # Names accepted after `builtin:`; the builders live in serve_app/engine/builtin.py.
@@ -35,7 +42,19 @@ BUILTIN_MODELS = (
 Acceleration = Literal["none", "fast", "faster"]
 
 
-__all__ = ["AuthConfig", "CheckpointsConfig", "JobsConfig", "LoraConfig", "ProfilingConfig", "TenantConfig"]
+__all__ = [
+    "AuthConfig",
+    "AutoscalingSettings",
+    "BatchingConfig",
+    "CheckpointsConfig",
+    "IngressConfig",
+    "JobsConfig",
+    "LoraConfig",
+    "MultiplexSettings",
+    "ProfilingConfig",
+    "ReplicaConfig",
+    "TenantConfig",
+]
 
 
 class Optimizations(_Strict):
@@ -72,7 +91,7 @@ class ModelConfig(_Strict):
         "builtin:tiny-sd",
         description="`builtin:<name>`, a local diffusers directory, a Hugging Face hub id, or one "
         "`.safetensors` checkpoint file in the original layout: Stable Diffusion 1.x or SDXL "
-        "(A1111/ComfyUI), or a FLUX transformer (BFL/ComfyUI).",
+        "(A1111/ComfyUI), SD3 (Stability's), or a FLUX transformer (BFL/ComfyUI).",
     )
     pipeline_config: str | None = Field(
         None,
@@ -89,35 +108,55 @@ class ModelConfig(_Strict):
         description="Other names requests may give for this model in `model` (clients with a fixed "
         "name, e.g. `dall-e-2`, `dall-e-3`, `gpt-image-1`); listed in /v1/models.",
     )
-    revision: str | None = None
+    revision: str | None = Field(None, description="Hub revision (branch, tag or commit) of `source`.")
     variant: str | None = Field(None, description="Weights variant for hub/local loads, e.g. `fp16`.")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the pipeline runs; `auto`: CUDA when a device is visible, else the CPU."
+    )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="`auto`: float16 on CUDA, float32 on CPU."
     )
     scheduler: str | None = Field(None, description="diffusers scheduler class name to use instead.")
     seed: int = Field(0, description="Seed of the random weights of `builtin:` models.")
-    default_height: int | None = Field(None, ge=8, multiple_of=8)
-    default_width: int | None = Field(None, ge=8, multiple_of=8)
-    default_steps: int = Field(20, ge=1)
-    default_guidance_scale: float = Field(7.5, ge=0)
+    default_height: int | None = Field(
+        None,
+        ge=8,
+        multiple_of=8,
+        description="Height of requests that give no size; default: the model's own.",
+    )
+    default_width: int | None = Field(
+        None,
+        ge=8,
+        multiple_of=8,
+        description="Width of requests that give no size; default: the model's own.",
+    )
+    default_steps: int = Field(20, ge=1, description="Denoising steps of requests that give none.")
+    default_guidance_scale: float = Field(7.5, ge=0, description="Guidance scale of requests that give none.")
     default_num_frames: int | None = Field(
         None, ge=1, description="Video models: frames per video; default: the pipeline's own default."
     )
     default_fps: int = Field(16, ge=1, le=120, description="Video models: frames per second of the file.")
-    warmup: bool = True
-    warmup_steps: int = Field(2, ge=1)
+    warmup: bool = Field(
+        True, description="Run one short call at the default size before the replica reports ready."
+    )
+    warmup_steps: int = Field(
+        2, ge=1, description="Denoising steps of the warm-up call (and of the self-test)."
+    )
     cpu_threads: int | None = Field(
         None,
         ge=1,
         description="torch intra-op threads on CPU; default: every core. Ray sets OMP_NUM_THREADS=1 "
         "in actors, which halves the speed of a CPU replica.",
     )
-    local_files_only: bool = False
+    local_files_only: bool = Field(
+        False, description="Never download: load `source` from the local hub cache only."
+    )
     safetensors_only: bool = Field(
         False, description="Load safetensors weights only, never pickles (a pool's checkpoints always)."
     )
-    optimizations: Optimizations = Field(default_factory=Optimizations)
+    optimizations: Optimizations = Field(
+        default_factory=Optimizations, description="Optional accelerations, all off by default."
+    )
     engine_extension: str | None = Field(
         None,
         description="`module:Class` of a mixin whose methods are mixed into the engine (a worker "
@@ -197,12 +236,12 @@ class Limits(_Strict):
 
     max_pixels: int = Field(1024 * 1024, ge=64, description="Upper bound on width * height.")
     max_side: int = Field(2048, ge=8, description="Upper bound on width and on height.")
-    max_steps: int = Field(100, ge=1)
+    max_steps: int = Field(100, ge=1, description="Upper bound on denoising steps (and on lists in `extra`).")
     max_images: int = Field(8, ge=1, description="Upper bound on `n` (images per prompt).")
     max_frames: int = Field(129, ge=1, description="Upper bound on `num_frames` of a video model.")
     max_prompts: int = Field(16, ge=1, description="Upper bound on prompts in one batch request.")
-    max_prompt_chars: int = Field(4000, ge=1)
-    max_guidance_scale: float = Field(50.0, ge=0)
+    max_prompt_chars: int = Field(4000, ge=1, description="Upper bound on the characters of a prompt.")
+    max_guidance_scale: float = Field(50.0, ge=0, description="Upper bound on `guidance_scale`.")
     max_body_bytes: int = Field(
         1024 * 1024, ge=1024, description="HTTP request bodies above this get 413 before they are parsed."
     )
@@ -214,147 +253,17 @@ class Limits(_Strict):
     )
 
 
-class AutoscalingSettings(_Strict):
-    """Queue-length autoscaling of the diffusion replicas (serve_app/autoscaling.py)."""
-
-    min_replicas: int = Field(1, ge=0)
-    max_replicas: int = Field(4, ge=1)
-    target_queue_length: float = Field(4.0, gt=0, description="Queued plus running images per replica.")
-    upscale_delay_s: float = Field(10.0, ge=0)
-    downscale_delay_s: float = Field(120.0, ge=0)
-    metrics_interval_s: float = Field(2.0, gt=0)
-    look_back_period_s: float = Field(10.0, gt=0)
-
-    @model_validator(mode="after")
-    def _bounds(self) -> AutoscalingSettings:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(f"min_replicas={self.min_replicas} exceeds max_replicas={self.max_replicas}")
-        return self
-
-    def serve_config(self) -> dict[str, Any]:
-        return {
-            "min_replicas": self.min_replicas,
-            "max_replicas": self.max_replicas,
-            "initial_replicas": max(1, self.min_replicas),
-            "upscale_delay_s": self.upscale_delay_s,
-            "downscale_delay_s": self.downscale_delay_s,
-            "metrics_interval_s": self.metrics_interval_s,
-            "look_back_period_s": self.look_back_period_s,
-            "policy": {
-                "policy_function": "serve_app.autoscaling:QueueLengthPolicy",
-                "policy_kwargs": {"target_queue_length": self.target_queue_length},
-            },
-        }
-
-
-class ReplicaConfig(_Strict):
-    """Serve options of the diffusion replica deployment (one replica per GPU)."""
-
-    num_replicas: int = Field(1, ge=1, description="Fixed replica count; ignored when `autoscaling` is set.")
-    autoscaling: AutoscalingSettings | None = None
-    num_gpus: float = Field(0, ge=0, description="1 on a GPU machine: one replica per GPU.")
-    num_cpus: float = Field(0, ge=0)
-    resources: dict[str, float] = Field(
-        default_factory=dict, description="Custom Ray resources to place replicas."
-    )
-    max_ongoing_requests: int = Field(16, ge=1)
-    max_queued_requests: int = Field(
-        -1,
-        ge=-1,
-        description="Requests waiting for a replica slot beyond which callers get 429; -1: no bound.",
-    )
-    engine_call_timeout_s: float = Field(
-        900.0, gt=0, description="A pipeline call running longer than this marks the replica unhealthy."
-    )
-    health_check_period_s: float = Field(10.0, gt=0)
-    health_check_timeout_s: float = Field(30.0, gt=0)
-    graceful_shutdown_timeout_s: float = Field(60.0, ge=0)
-    max_constructor_retry_count: int = Field(
-        3, ge=1, description="Failed model loads before the deployment is marked failed."
-    )
-    max_consecutive_failures: int = Field(
-        5,
-        ge=1,
-        description="Engine failures in a row after which the replica runs a self-test call; it reports "
-        "itself unhealthy only if that fails too (requests alone never make a replica unhealthy).",
-    )
-    init_timeout_s: float = Field(
-        1800.0, gt=0, description="Model load plus warm-up longer than this fails the replica's start."
-    )
-
-
-class BatchingConfig(_Strict):
-    """How a replica gathers queued requests into one pipeline call.
-
-    Sent to the replicas as Serve's `user_config`, which `reconfigure` applies on a live replica.
-    (A changed `args:` block in a Serve config is a new app version: Serve restarts every replica.)
-    """
-
-    max_batch_images: int = Field(8, ge=1, description="Upper bound on images in one pipeline call.")
-    batch_wait_ms: float = Field(
-        50.0,
-        ge=0,
-        description=(
-            "How long a call may wait for others to join it: at most this long after its oldest "
-            "request arrived, or after the device became free if that was later."
-        ),
-    )
-    batch_gap_ms: float = Field(
-        10.0,
-        ge=0,
-        description=(
-            "Stop waiting early once no request has arrived for this long: a lone request waits "
-            "this, a burst is gathered whole. 0: always wait the full batch_wait_ms."
-        ),
-    )
-    step_joining: bool = Field(
-        False,
-        description=(
-            "Requests that arrive while a call runs join it at its next denoising step instead of "
-            "waiting for it to end: every request runs its own pipeline call, and the calls share "
-            "the denoiser at every step, rows at different steps included. Requests with a step "
-            "cache (acceleration), on a compiled or CPU-offloaded denoiser, or larger than "
-            "max_batch_images run in whole calls as before."
-        ),
-    )
-
-
-class IngressConfig(_Strict):
-    num_replicas: int = Field(1, ge=1)
-    max_attempts: int = Field(
-        3,
-        ge=1,
-        description="Tries of a request whose replica died (generation with a fixed seed is idempotent).",
-    )
-    retry_after_s: int = Field(2, ge=1, description="`Retry-After` of a 429 answer.")
-    num_cpus: float = Field(0, ge=0)
-    resources: dict[str, float] = Field(default_factory=dict)
-    max_ongoing_requests: int = Field(256, ge=1)
-    request_timeout_s: float = Field(600.0, gt=0, description="Deadline for one request end to end.")
-    ready_probe_timeout_s: float = Field(
-        3.0, gt=0, description="How long /health waits for the replicas to say whether they are ready."
-    )
-
-
-class MultiplexSettings(_Strict):
-    """A pool: besides its own model, its replicas serve any checkpoint registered for it
-    (`POST /v1/checkpoints`), loaded on demand with Serve's model multiplexing."""
-
-    max_models_per_replica: int = Field(
-        2, ge=1, le=64, description="Registered checkpoints one replica holds besides its own model; "
-        "least recently used evicted first, pinned ones never."
-    )  # fmt: skip
-
-
 class ModelEntry(_Strict):
     """One model of an application that serves several (`models:`); the sections it leaves out
     are the application's."""
 
-    model: ModelConfig
-    limits: Limits | None = None
-    replica: ReplicaConfig | None = None
-    batching: BatchingConfig | None = None
-    multiplex: MultiplexSettings | None = None
+    model: ModelConfig = Field(description="What this model loads and how it runs it.")
+    limits: Limits | None = Field(None, description="Its own limits; unset: the application's.")
+    replica: ReplicaConfig | None = Field(None, description="Its own replicas; unset: the application's.")
+    batching: BatchingConfig | None = Field(None, description="Its own batching; unset: the application's.")
+    multiplex: MultiplexSettings | None = Field(
+        None, description="Make this model a pool of checkpoints served on demand."
+    )
 
 
 class Served(_Strict):
@@ -377,26 +286,43 @@ class AppConfig(_Strict):
     One model (`model:` with `limits:`, `replica:`, `batching:`), or several (`models:`, a list
     of entries that each hold a `model:` and the sections where they differ)."""
 
-    model: ModelConfig = Field(default_factory=ModelConfig)
+    model: ModelConfig = Field(
+        default_factory=ModelConfig, description="The one model, when `models` is not given."
+    )
     models: list[ModelEntry] = Field(
         default_factory=list, max_length=32, description="Several models behind one endpoint."
     )
     default_model: str | None = Field(
         None, description="The model of requests that name none; default: the first of `models`."
     )
-    limits: Limits = Field(default_factory=Limits)
-    replica: ReplicaConfig = Field(default_factory=ReplicaConfig)
-    batching: BatchingConfig = Field(default_factory=BatchingConfig)
-    multiplex: MultiplexSettings | None = None
-    checkpoints: CheckpointsConfig = Field(default_factory=CheckpointsConfig)
+    limits: Limits = Field(
+        default_factory=Limits, description="Bounds on one request (each model's default)."
+    )
+    replica: ReplicaConfig = Field(
+        default_factory=ReplicaConfig,
+        description="The diffusion replicas' Serve options (each model's default).",
+    )
+    batching: BatchingConfig = Field(
+        default_factory=BatchingConfig, description="How a replica batches (each model's default)."
+    )
+    multiplex: MultiplexSettings | None = Field(
+        None, description="Make the one model (`model:`) a pool of checkpoints served on demand."
+    )
+    checkpoints: CheckpointsConfig = Field(
+        default_factory=CheckpointsConfig, description="The pools' checkpoint registry."
+    )
     tenants: list[TenantConfig] = Field(
         default_factory=list, max_length=1000, description="Who shares the service, and how."
     )
-    lora: LoraConfig = Field(default_factory=LoraConfig)
-    auth: AuthConfig = Field(default_factory=AuthConfig)
-    profiling: ProfilingConfig = Field(default_factory=ProfilingConfig)
-    ingress: IngressConfig = Field(default_factory=IngressConfig)
-    jobs: JobsConfig = Field(default_factory=JobsConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA adapters.")
+    auth: AuthConfig = Field(default_factory=AuthConfig, description="API keys and the admin routes.")
+    profiling: ProfilingConfig = Field(default_factory=ProfilingConfig, description="The torch profiler.")
+    ingress: IngressConfig = Field(
+        default_factory=IngressConfig, description="The ingress deployment's Serve options and retries."
+    )
+    jobs: JobsConfig = Field(
+        default_factory=JobsConfig, description="Asynchronous jobs, stored outputs and webhooks."
+    )
 
     @model_validator(mode="after")
     def _models(self) -> AppConfig:

@@ -24,7 +24,7 @@ class LoraConfig(_Strict):
     allowed_roots: list[str] = Field(
         default_factory=list, description="Directories adapter files must resolve into; empty: no adapters."
     )
-    max_file_mb: float = Field(512.0, gt=0)
+    max_file_mb: float = Field(512.0, gt=0, description="Largest adapter file (MB) that may be registered.")
 
     @field_validator("allowed_roots")
     @classmethod
@@ -64,10 +64,22 @@ class AuthConfig(_Strict):
     Handle callers are other Ray apps inside the cluster and are not asked for keys.
     """
 
-    api_keys: list[str] = Field(default_factory=list, repr=False)
-    admin_keys: list[str] = Field(default_factory=list, repr=False)
-    api_keys_env: str = "DIFFUSION_API_KEYS"
-    admin_keys_env: str = "DIFFUSION_ADMIN_KEYS"
+    api_keys: list[str] = Field(
+        default_factory=list,
+        repr=False,
+        description="User keys: they may use every route but the admin ones.",
+    )
+    admin_keys: list[str] = Field(
+        default_factory=list, repr=False, description="Admin keys: every route, the admin ones included."
+    )
+    api_keys_env: str = Field(
+        "DIFFUSION_API_KEYS",
+        description="Environment variable of the ingress with more user keys (comma-separated).",
+    )
+    admin_keys_env: str = Field(
+        "DIFFUSION_ADMIN_KEYS",
+        description="Environment variable of the ingress with more admin keys (comma-separated).",
+    )
     local_admin: bool = Field(
         False,
         description="With no admin key configured, let clients connecting from a loopback address "
@@ -140,9 +152,9 @@ class JobsConfig(_Strict):
         "in the ingress (state queued), so a backlog of jobs stands before an interactive request "
         "by at most this many.",
     )
-    webhook_max_attempts: int = Field(5, ge=1, le=20)
+    webhook_max_attempts: int = Field(5, ge=1, le=20, description="Tries of a job's completion call.")
     webhook_backoff_s: float = Field(1.0, gt=0, description="First retry delay; doubles each retry.")
-    webhook_timeout_s: float = Field(10.0, gt=0)
+    webhook_timeout_s: float = Field(10.0, gt=0, description="How long one webhook call may take.")
 
 
 class CheckpointsConfig(_Strict):
@@ -174,7 +186,10 @@ class TenantConfig(_Strict):
     the tenant `default` (configure one by that name to give it limits); a key in no tenant is
     a tenant of its own, of weight 1 and no quotas."""
 
-    name: str = Field(pattern=f"^{TENANT_NAME}$")
+    name: str = Field(
+        pattern=f"^{TENANT_NAME}$",
+        description="1-64 letters, digits, '.', '_' or '-'; `default`: requests without a key.",
+    )
     api_keys: list[str] = Field(default_factory=list, repr=False, description="Its user keys.")
     api_keys_env: str | None = Field(
         None, description="Environment variable of the ingress with more of its keys (comma-separated)."

@@ -1,7 +1,7 @@
 """Pipelines the project makes itself, with no download.
 
 * `shapes`: a tiny Stable Diffusion pipeline the project trained on scenes it drew itself
-  (`serve_app/train_tiny.py`, docs/shapes-model.md), loaded from the package; it draws the
+  (`serve_app/shapes/`, docs/shapes-model.md), loaded from the package; it draws the
   colour, background and place a prompt asks for, circles, triangles and large stars (squares
   half the time);
   the default model of `serve_config.yaml`.
@@ -391,7 +391,7 @@ def _flux_arch():
     )  # fmt: skip
 
 
-WEIGHTS = Path(__file__).parent / "weights"  # trained by serve_app/train_tiny.py, shipped in the package
+WEIGHTS = Path(__file__).parent / "weights"  # trained by serve_app/shapes/train.py, shipped in the package
 SHAPES_DIR = WEIGHTS / "shapes"
 GREEN_LORA = WEIGHTS / "shapes-green.safetensors"  # an adapter for it: paints the shape green
 

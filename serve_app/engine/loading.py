@@ -6,7 +6,9 @@ Every refusal is a `ModelLoadError` that names the setting to change.
 
 from __future__ import annotations
 
+import functools
 import inspect
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +17,7 @@ import torch
 from serve_app.config import BUILTIN_PREFIX, ModelConfig
 from serve_app.engine.step_cache import LEVELS
 from serve_app.engine.types import TASKS, ModelLoadError
-from serve_app.layouts import is_single_file
+from serve_app.formats.layouts import is_single_file
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -52,7 +54,7 @@ def load_pipeline(
     cfg: ModelConfig, device: torch.device, dtype: torch.dtype, reuse: dict[str, Any] | None = None
 ):
     """Load from `builtin:<name>`, a local diffusers directory, a hub id, or a single-file
-    checkpoint (`checkpoint_file`).
+    checkpoint (`load_checkpoint_file`).
 
     `reuse` (component name -> an already loaded module, e.g. another checkpoint's identical
     text encoder) is passed to diffusers instead of loading those components again: the new
@@ -65,9 +67,7 @@ def load_pipeline(
         return pipe if dtype == torch.float32 else pipe.to(dtype=dtype)
 
     if is_single_file(src):
-        from serve_app.engine.checkpoint_file import load_single_file
-
-        return load_single_file(cfg, dtype, reuse).to(device)
+        return load_checkpoint_file(cfg, dtype, reuse).to(device)
 
     from diffusers import DiffusionPipeline
 
@@ -92,6 +92,37 @@ def load_pipeline(
     except Exception as e:  # diffusers raises many types here; all mean "cannot load"
         raise ModelLoadError(f"model.source: cannot load {src!r}: {type(e).__name__}: {e}") from e
     return pipe.to(device)
+
+
+def load_checkpoint_file(cfg: ModelConfig, dtype: torch.dtype, reuse: dict[str, Any] | None = None):
+    """A single-file checkpoint's pipeline on the CPU (`formats.single_file_load`), the parts
+    and configs the file lacks from `model.pipeline_config`: an embedded model's, built here, or
+    a local directory's."""
+    from serve_app.engine.builtin import add_grid_positions, build_builtin
+    from serve_app.formats.single_file_load import CheckpointRefused, Embedded, load_single_file
+
+    try:
+        pipe = load_single_file(cfg, dtype, Embedded(build_builtin, builtin_configs), reuse)
+    except CheckpointRefused as e:
+        raise ModelLoadError(str(e)) from e.__cause__
+    if cfg.pipeline_config == BUILTIN_PREFIX + "shapes":
+        add_grid_positions(pipe.unet)  # the trained model's positions are part of its code
+    return pipe
+
+
+@functools.lru_cache(maxsize=8)
+def builtin_configs(name: str) -> Path:
+    """A directory with the configs of `builtin:<name>` (no weights), written once per process;
+    the trained model's own directory for `shapes`."""
+    from serve_app.engine.builtin import SHAPES_DIR, build_builtin
+    from serve_app.formats.single_file_load import write_configs
+
+    if name == "shapes":
+        return SHAPES_DIR
+    pipe = build_builtin(name, device="meta")  # the shapes without the memory
+    out = Path(tempfile.mkdtemp(prefix=f"diffusion-serve-{name}-configs-"))
+    write_configs(pipe, out)
+    return out
 
 
 def scheduler_class(name: str):

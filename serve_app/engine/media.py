@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from serve_app.schemas import IMAGE_FORMATS, VIDEO_FORMATS
+from serve_app.media_types import IMAGE_FORMATS, VIDEO_FORMATS
 
 _PNG_COLOR_TYPES = {"L": 0, "RGB": 2, "RGBA": 6}  # 8 bits per channel
 

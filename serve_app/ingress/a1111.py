@@ -20,14 +20,14 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
-from serve_app.access import AccessPolicy
 from serve_app.errors import InvalidRequest, NotFound, ServingError
+from serve_app.formats.sources import shown_path
 from serve_app.ingress.a1111_desk import A1111DeskDep, Task, preview_every
+from serve_app.ingress.access import AccessPolicy
 from serve_app.ingress.checks import validation_to_error
 from serve_app.ingress.core import Core, CoreDep
 from serve_app.ingress.openapi import ERRORS
 from serve_app.ingress.ops import models as list_models
-from serve_app.lora import shown_path
 from serve_app.sampling import AUTOMATIC, SIGMA_SCHEDULES, schedule_label
 from serve_app.schemas import (
     LORA_NAME_CHARS,

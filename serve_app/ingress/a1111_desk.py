@@ -12,8 +12,8 @@ from typing import Annotated
 
 from fastapi import Depends
 
-from serve_app.access import servable
 from serve_app.errors import Aborted
+from serve_app.ingress.access import servable
 from serve_app.jobs import Store
 from serve_app.schemas import GenerationResult, PreparedRequest, StepEvent
 from serve_app.schemas.a1111 import A1111Progress, A1111ProgressState

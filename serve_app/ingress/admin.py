@@ -8,11 +8,13 @@ from typing import Any
 from fastapi import APIRouter
 
 from serve_app.errors import InvalidRequest
+from serve_app.formats.lora import check_adapter_file
+from serve_app.formats.sources import shown_path
 from serve_app.ingress.core import Core, CoreDep
 from serve_app.ingress.failures import not_ready
 from serve_app.ingress.models import ServedModel
 from serve_app.ingress.openapi import ADMIN, ERRORS
-from serve_app.lora import check_adapter_file, check_name, shown_path
+from serve_app.registries import check_name
 from serve_app.schemas import LoraAdd, LoraPin, Outcome, ProfileStart, RpcCall
 from serve_app.schemas.control import TRACE_PREFIX_REGEX
 

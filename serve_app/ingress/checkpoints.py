@@ -8,13 +8,14 @@ from typing import Any
 
 from fastapi import APIRouter
 
-from serve_app.checkpoints import check_checkpoint_name, check_checkpoint_source, family_of
 from serve_app.errors import InvalidRequest
+from serve_app.formats.layouts import family_of
+from serve_app.formats.sources import check_checkpoint_source, shown_path
 from serve_app.ingress.core import Core, CoreDep
 from serve_app.ingress.failures import not_ready
 from serve_app.ingress.models import ServedModel
 from serve_app.ingress.openapi import ADMIN, ERRORS
-from serve_app.lora import shown_path
+from serve_app.registries import check_checkpoint_name
 from serve_app.schemas import CHECKPOINT_ID, CheckpointAdd, LoraPin
 
 

@@ -18,9 +18,9 @@ from fastapi import Depends, Request
 from ray import serve
 from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
-from serve_app.access import AccessPolicy, servable
 from serve_app.config import AppConfig
 from serve_app.errors import DeadlineExceeded, InvalidRequest, ServingError, Unavailable
+from serve_app.ingress.access import AccessPolicy, servable
 from serve_app.ingress.checks import (
     check_edit_steps,
     check_limits,
@@ -30,10 +30,10 @@ from serve_app.ingress.checks import (
     validated,
 )
 from serve_app.ingress.failures import backoff, call_error, gave_up, not_ready
+from serve_app.ingress.inputs import prepare_inputs
 from serve_app.ingress.models import Models, ServedModel
 from serve_app.ingress.tenants import Tenants
-from serve_app.inputs import prepare_inputs
-from serve_app.lora import Registry
+from serve_app.registries import Registry
 from serve_app.schemas import (
     MAX_SEED,
     REQUEST_ID_PATTERN,

@@ -10,13 +10,13 @@ from ray.serve.exceptions import DeploymentUnavailableError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from serve_app.access import BodyLimit, check_api_key, error_response
 from serve_app.errors import InvalidRequest, NotFound, ServingError
 from serve_app.ingress import a1111, admin, checkpoints, images, jobs, ops, requests
+from serve_app.ingress.access import BodyLimit, check_api_key, error_response
 from serve_app.ingress.checks import validation_to_error
 from serve_app.ingress.failures import not_ready
 from serve_app.ingress.openapi import document
-from serve_app.proxy import RequestIdGuard
+from serve_app.ingress.proxy import RequestIdGuard
 from serve_app.schemas import ImagesEditRequest
 
 logger = logging.getLogger("ray.serve")

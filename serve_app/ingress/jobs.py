@@ -11,15 +11,14 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from serve_app import webhooks
-from serve_app.access import servable
 from serve_app.errors import Conflict, Forbidden, InvalidRequest, NotFound, Overloaded, ServingError
 from serve_app.ingress import sse
+from serve_app.ingress.access import servable
 from serve_app.ingress.core import Core
 from serve_app.ingress.links import Links
 from serve_app.ingress.openapi import ERRORS, FILE_RESPONSES
 from serve_app.ingress.requests import request_status
-from serve_app.jobs import JobRunner, Store, body_hash, job_id_for, new_job_request_id, signature_ok
+from serve_app.jobs import JobRunner, Store, body_hash, job_id_for, new_job_request_id, signature_ok, webhooks
 from serve_app.schemas import DeletedJob, Job, JobList, JobRecord, WebhookDelivery
 
 _EVENTS_MAX_S = 600  # one job event stream; then the client reconnects

@@ -12,10 +12,10 @@ from typing import Any
 from ray.serve.exceptions import DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 
-from serve_app.checkpoints import CheckpointRegistry
 from serve_app.config import AppConfig, Served
 from serve_app.errors import DeadlineExceeded, InvalidRequest, NotFound, ReplicaLost, ServingError
 from serve_app.ingress.failures import not_ready, unwrap
+from serve_app.registries import CheckpointRegistry
 from serve_app.schemas import CHECKPOINT_ID, ModelDescription
 
 logger = logging.getLogger("ray.serve")

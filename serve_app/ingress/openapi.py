@@ -12,7 +12,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI
 
-from serve_app.access import OPEN_ROUTES, SIGNED_PREFIX, require_admin, servable
+from serve_app.ingress.access import OPEN_ROUTES, SIGNED_PREFIX, require_admin, servable
 from serve_app.schemas import MEDIA_TYPES, ErrorResponse, Job
 from serve_app.schemas.a1111 import options_schema
 

@@ -4,7 +4,8 @@
   on a file system every ingress replica shares: a local directory by default, any fsspec URL
   for a cluster.
 * `runner.py`: `JobRunner` runs an ingress's jobs as asyncio tasks, renews their leases,
-  resumes jobs whose ingress went away, prunes old outputs, and calls webhooks (`webhooks.py`).
+  resumes jobs whose ingress went away, prunes old outputs, and calls webhooks.
+* `webhooks.py`: which webhook targets are allowed; the signed POST of a job.
 * `links.py`: signed links to stored outputs.
 """
 

@@ -15,9 +15,9 @@ import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-from serve_app import webhooks
 from serve_app.config import JobsConfig
 from serve_app.errors import Aborted, ServingError
+from serve_app.jobs import webhooks
 from serve_app.jobs.store import JOB_PREFIX, Store
 from serve_app.schemas import MEDIA_TYPES, GenerationResult, JobOutput, JobRecord, PreparedRequest, StepEvent
 

@@ -37,7 +37,7 @@ from serve_app.engine import Engine, EngineOutput, LoraError, ModelLoadError
 from serve_app.engine.engine import engine_class
 from serve_app.engine.media import encode_output
 from serve_app.errors import Unavailable
-from serve_app.lora import Registry
+from serve_app.registries import Registry
 from serve_app.replica.adapters import AdapterControl, AdapterResidency
 from serve_app.replica.control import Profiler, call_exported, outcome
 from serve_app.replica.health import Health

@@ -11,10 +11,11 @@ import asyncio
 import logging
 from typing import Any
 
-from serve_app.checkpoints import CheckpointRegistry, check_checkpoint_source
 from serve_app.config import CheckpointsConfig, ModelConfig, MultiplexSettings
 from serve_app.engine import Engine, ModelLoadError
 from serve_app.errors import Aborted, InvalidRequest
+from serve_app.formats.sources import check_checkpoint_source
+from serve_app.registries import CheckpointRegistry
 from serve_app.replica.checkpoints import CheckpointResidency
 from serve_app.replica.routing import replica_id, report_adapters
 from serve_app.schemas import CHECKPOINT_ID, PreparedRequest

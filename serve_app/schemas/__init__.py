@@ -1,6 +1,7 @@
 """The wire format: every request and result that crosses a process boundary, by API.
 
-* `base`: the base model `_Wire`, constants and patterns, the checked field types;
+* `base`: the base model `_Wire`, constants and patterns, the checked field types (the output
+  formats and their media types are `serve_app.media_types`', re-exported here);
 * `payloads`: tensors and images as they travel;
 * `generation`: the Python API's requests (`GenerationRequest`, `BatchGenerationRequest`), used
   by handle callers and mapped onto by the HTTP bodies;
@@ -14,14 +15,12 @@
 Import from here: every name is re-exported.
 """
 
+from serve_app.media_types import IMAGE_FORMATS, MEDIA_TYPES, VIDEO_FORMATS
 from serve_app.schemas.base import (
-    IMAGE_FORMATS,
     MAX_SEED,
-    MEDIA_TYPES,
     NOT_BLANK,
     REQUEST_ID_PATTERN,
     REQUEST_ID_REGEX,
-    VIDEO_FORMATS,
     B64Bytes,
     Extra,
     MemoryKind,

@@ -25,10 +25,6 @@ from pydantic import (
 )
 
 OutputFormat = Literal["png", "jpeg", "webp", "mp4", "gif"]
-IMAGE_FORMATS = ("png", "jpeg", "webp")
-VIDEO_FORMATS = ("mp4", "webp", "gif")  # webp: animated
-MEDIA_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp", "gif": "image/gif",
-               "mp4": "video/mp4"}  # fmt: skip
 MemoryKind = Literal["cuda", "cpu_rss"]
 # The largest integer every JSON reader keeps exactly (I-JSON, RFC 7493: JavaScript's
 # Number.MAX_SAFE_INTEGER); above it a checker comparing as doubles cannot tell 2**62 + 95 from 2**62.

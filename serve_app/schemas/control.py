@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from serve_app.schemas.base import _Wire, rules
 
 # Names as the document states them (ECMA-262, which Python's re reads the same; fullmatch them):
-# an adapter's (`lora.NAME_PATTERN`), a checkpoint's (`checkpoints.CHECKPOINT_NAME`: not a path,
+# an adapter's (`registries.NAME_PATTERN`), a checkpoint's (`registries.CHECKPOINT_NAME`: not a path,
 # so not `.`, `..` or any name starting with a dot), a trace file's prefix.
 LORA_NAME_REGEX = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 CHECKPOINT_NAME_REGEX = r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$"

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from serve_app import shapes
 from serve_app.engine.builtin import add_grid_positions
+from serve_app.shapes.scenes import COLOURS, POSITIONS, SHAPES, SIZE, SIZES
 
 MAX_TOKENS = 24
 LATENT_CHANNELS = 4
@@ -20,8 +20,8 @@ TE_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"]
 
 
 def _words() -> list[str]:
-    words = {"a", "on", "background", ",", *shapes.COLOURS, *shapes.SHAPES, *shapes.SIZES}
-    for p in shapes.POSITIONS:
+    words = {"a", "on", "background", ",", *COLOURS, *SHAPES, *SIZES}
+    for p in POSITIONS:
         words.update(p.split())
     return sorted(words)
 
@@ -96,12 +96,12 @@ def build_pipeline(seed: int):
         up_block_types=["UpDecoderBlock2D"] * 2,
         latent_channels=LATENT_CHANNELS,
         layers_per_block=1,
-        sample_size=shapes.SIZE,
+        sample_size=SIZE,
         mid_block_add_attention=False,
         norm_num_groups=8,
     )
     unet = UNet2DConditionModel(
-        sample_size=shapes.SIZE // 2,
+        sample_size=SIZE // 2,
         in_channels=LATENT_CHANNELS,
         out_channels=LATENT_CHANNELS,
         block_out_channels=(32, 64, 96),

@@ -5,6 +5,7 @@ A `.safetensors` file is 8 bytes (the header's length, little-endian), a JSON he
 every tensor with its dtype, shape and byte range, then the tensors. Its header tells a file
 that is no safetensors file (a pickle under that name, say) or one cut short from a good one,
 and its tensor names tell the layout of a single-file checkpoint, before anything is loaded.
+A layout's pipeline class tells its family (`family_of`), as the engine names families.
 """
 
 from __future__ import annotations
@@ -157,7 +158,7 @@ def file_layout(path: str | Path) -> str:
         return loadable_layout(safetensors_keys(path))  # small, or refused without reading it
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "serve_app.layouts", str(path)], capture_output=True, timeout=300
+            [sys.executable, "-m", "serve_app.formats.layouts", str(path)], capture_output=True, timeout=300
         )
         answer = json.loads(done.stdout or b"{}")
     except (subprocess.TimeoutExpired, ValueError, OSError):
@@ -175,6 +176,27 @@ def missing_part(layout: str, keys: list[str]) -> str | None:
             return (
                 f"holds no {part} weights (no {prefix}* tensors); not a whole {LAYOUTS[layout][0]} checkpoint"
             )
+    return None
+
+
+# The project's family names (`engine/families.py`) for diffusers pipeline classes, by class
+# name prefix, the longest first; plain Stable Diffusion only for its own three pipelines.
+_FAMILY_PREFIXES = (
+    ("StableDiffusionXL", "sdxl"),
+    ("StableDiffusion3", "sd3"),
+    ("Flux", "flux"),
+    ("Wan", "wan"),
+)
+_SD_CLASSES = ("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline")
+
+
+def family_of(pipeline_class_name: str) -> str | None:
+    """The family name `engine/families.py` gives pipelines of this class; None if unknown."""
+    if pipeline_class_name in _SD_CLASSES:
+        return "sd"
+    for prefix, family in _FAMILY_PREFIXES:
+        if pipeline_class_name.startswith(prefix) and pipeline_class_name.endswith("Pipeline"):
+            return family
     return None
 
 

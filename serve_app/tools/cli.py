@@ -1,5 +1,7 @@
-"""`diffusion-serve`: a command-line client for a running server (standard library only).
+"""`diffusion-serve`: a command-line client for a running server (standard library only), and
+the command that starts one.
 
+    diffusion-serve serve serve_config.yaml       # serve run serve_config.yaml, the proxy guard set
     diffusion-serve generate "a lighthouse at dawn" -o out.png --steps 30 --seed 1
     diffusion-serve lora add red red.safetensors --scale 0.8 | lora list | lora rm red | lora pin red
     diffusion-serve checkpoints add anime ./ckpts/anime --pool sd15 --pin | checkpoints list | ...
@@ -7,6 +9,10 @@
 
 The server is `--url` (default $DIFFUSION_SERVE_URL or http://127.0.0.1:8000); `--api-key`
 (default $DIFFUSION_API_KEY) is sent as a bearer token.
+
+`diffusion-serve serve [CONFIG] [ARGS...]` becomes `serve run CONFIG ARGS...` (CONFIG defaults to
+serve_config.yaml) with `RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH` set to the proxy guard unless
+it is set already: Ray reads it when it starts, and `serve run` starts a local Ray.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import argparse
 import base64
 import json
 import os
+import shutil
 import sys
 import time
 import urllib.error
@@ -54,7 +61,7 @@ class Client:
             reason = getattr(e, "reason", e)
             raise ClientError(
                 f"cannot reach the server at {self.url} ({reason}); is it running? "
-                "(serve run serve_config.yaml)"
+                "(diffusion-serve serve serve_config.yaml)"
             ) from None
 
     def json(self, method: str, path: str, body: dict | None = None, headers: dict | None = None) -> Any:
@@ -272,11 +279,40 @@ def cmd_status(c: Client, a: argparse.Namespace) -> None:
         print(f"  {r['replica_id']}: {health}; {queued}, {running}; adapters {r['loras_loaded']}")
 
 
+# Serve's proxy callback: the X-Request-Id guard every Serve proxy installs when Ray starts
+# (serve_app/proxy.py), as the Dockerfile and docs/deploying.md set it.
+PROXY_GUARD = ("RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH", "serve_app.proxy:middlewares")
+DEFAULT_CONFIG = "serve_config.yaml"
+
+
+def cmd_serve(a: argparse.Namespace) -> None:
+    """Become `serve run CONFIG ARGS...` (the `serve` beside this Python, else the one on PATH),
+    with the proxy guard in the environment unless the caller set the variable. CONFIG is the
+    first argument unless that is an option; serve_config.yaml by default."""
+    config, rest = (
+        (a.args[0], a.args[1:]) if a.args and not a.args[0].startswith("-") else (DEFAULT_CONFIG, a.args)
+    )
+    name, value = PROXY_GUARD
+    os.environ.setdefault(name, value)
+    serve = shutil.which("serve", path=os.path.dirname(sys.executable)) or shutil.which("serve")
+    if serve is None:
+        raise ClientError("no `serve` command (Ray Serve's CLI) beside this Python or on PATH")
+    sys.stdout.flush()
+    try:
+        os.execv(serve, [serve, "run", config, *rest])
+    except OSError as e:
+        raise ClientError(f"cannot run {serve}: {e.strerror}") from None
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="diffusion-serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--url", default=os.environ.get("DIFFUSION_SERVE_URL", "http://127.0.0.1:8000"))
     ap.add_argument("--api-key", default=os.environ.get("DIFFUSION_API_KEY"))
     sub = ap.add_subparsers(dest="cmd", required=True)
+    # Every argument after `serve` is serve run's, options too (no option is this parser's).
+    sv = sub.add_parser("serve", help="serve run [CONFIG] [ARGS...], the proxy guard set", prefix_chars="+",
+                        add_help=False)  # fmt: skip
+    sv.add_argument("args", nargs="*", metavar="[CONFIG] [ARGS...]", help="CONFIG: serve_config.yaml")
     g = sub.add_parser("generate", help="make an image, with a progress bar")
     e = sub.add_parser("edit", help="edit an image (image-to-image, or inpaint with --mask)")
     e.add_argument("image", help="the image file to edit")
@@ -345,6 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     c = Client(a.url, a.api_key)
     try:
+        if a.cmd == "serve":
+            cmd_serve(a)  # this process becomes `serve run`, or ClientError says why not
         commands = {"generate": cmd_generate, "edit": cmd_edit, "lora": cmd_lora, "status": cmd_status}
         {**commands, "jobs": cmd_jobs, "checkpoints": cmd_checkpoints}[a.cmd](c, a)
     except ClientError as e:

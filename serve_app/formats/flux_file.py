@@ -4,7 +4,7 @@ and of the FLUX fine-tunes model sites share, both ways: to diffusers' names and
 diffusers converts this layout too, but takes FLUX.1's width (3072) as given where it splits a
 single block's fused projection, so it cannot read a FLUX of another width, a twin among them.
 Here every width is read from the file (`img_in`'s rows): one table of names serves both ways.
-Torch only: the writer (`serve_app.single_file`) and the loader (`checkpoint_file`) share it.
+Torch only: the writer (`single_file_write`) and the loader (`single_file_load`) share it.
 """
 
 from __future__ import annotations

@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from serve_app import shapes
-from serve_app.training.model import MAX_TOKENS
+from serve_app.shapes.model import MAX_TOKENS
+from serve_app.shapes.scenes import Scene, random_scene, render
 
 
-def _prompt(scene: shapes.Scene, rng: np.random.Generator, name_small: bool = False) -> str:
+def _prompt(scene: Scene, rng: np.random.Generator, name_small: bool = False) -> str:
     """The scene's prompt with parts left out at random, so short prompts leave choices open.
     `name_small`: a small object's prompt always says so (a prompt without a size then means
     a large object)."""
@@ -28,16 +28,16 @@ def _parts(rng: np.random.Generator) -> dict[str, bool]:
 
 
 def make_scenes(n: int, rng: np.random.Generator, keep: dict[str, float] | None = None
-                ) -> tuple[list[shapes.Scene], torch.Tensor]:  # fmt: skip
+                ) -> tuple[list[Scene], torch.Tensor]:  # fmt: skip
     """`n` training scenes (held-out colour-shape pairs never among them) and their images in
     [-1, 1], (n, 3, 64, 64). `keep`: the share of the grammar's scenes of each shape that are
     kept (default 1), to draw some shapes more often."""
     scenes = []
     while len(scenes) < n:
-        scene = shapes.random_scene(rng)
+        scene = random_scene(rng)
         if keep is None or rng.random() < keep.get(scene.shape, 1.0):
             scenes.append(scene)
-    pixels = np.stack([shapes.render(s) for s in scenes])
+    pixels = np.stack([render(s) for s in scenes])
     return scenes, torch.from_numpy(pixels).permute(0, 3, 1, 2).float() / 127.5 - 1
 
 

@@ -1,13 +1,12 @@
-"""Checkpoints served by name from a pool: their names, the checks on their sources, their
-family and the persisted registry. No torch or diffusers here: the ingress imports it.
+"""Where weights come from: the allowed roots a file must lie under, a path as callers may see
+it, and the checks on a checkpoint's source before it is registered. No torch or diffusers here:
+the ingress imports it.
 
 A checkpoint is a diffusers pipeline directory (`model_index.json` and its component folders)
 under one of the allowed roots, holding only safetensors weights, a single-file checkpoint there
-(one `.safetensors` file in the original Stable Diffusion 1.x, SDXL or FLUX layout, configured like the
-pool's own model: `model.pipeline_config`, else its source), or, where the hub is allowed, a
-hub id (`org/name`) that the replica downloads when it loads it. The registry (name ->
-source, pool, family, pinned) is a JSON file written atomically under a lock, as the adapter
-registry is (`lora.Registry`): every replica, including one that starts later, reads the same.
+(one `.safetensors` file in the original Stable Diffusion 1.x, SDXL, SD3 or FLUX layout, configured
+like the pool's own model: `model.pipeline_config`, else its source), or, where the hub is
+allowed, a hub id (`org/name`) that the replica downloads when it loads it.
 """
 
 from __future__ import annotations
@@ -16,10 +15,9 @@ import json
 import os
 import re
 from pathlib import Path
-from typing import Any
 
-from serve_app.errors import InvalidRequest, NotFound
-from serve_app.layouts import (
+from serve_app.errors import InvalidRequest
+from serve_app.formats.layouts import (
     LAYOUTS,
     PICKLE_REASON,
     PICKLE_SUFFIXES,
@@ -27,9 +25,27 @@ from serve_app.layouts import (
     FileRefused,
     file_layout,
 )
-from serve_app.lora import Registry, shown_path
 
-CHECKPOINT_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9._-]{0,127}$")
+
+def resolved_roots(allowed_roots: list[str]) -> list[Path]:
+    """The allowed roots as absolute paths, `~` expanded and symlinks followed."""
+    return [Path(r).expanduser().resolve() for r in allowed_roots]
+
+
+def inside(path: Path, roots: list[Path]) -> bool:
+    """Whether `path` (resolved) is one of `roots` or lies under one."""
+    return any(path == r or r in path.parents for r in roots)
+
+
+def shown_path(path: str, allowed_roots: list[str]) -> str:
+    """`path` as callers may see it: relative to the allowed root that holds it, never the
+    server's absolute path (the file name alone if no root holds it any more)."""
+    p = Path(path)
+    for r in resolved_roots(allowed_roots):
+        if r in p.parents:
+            return str(p.relative_to(r))
+    return p.name
+
 
 # What huggingface_hub's `validate_repo_id` accepts, in the `org/name` form only: each part
 # starts and ends with a letter, digit or '_', at most 96 characters, no '--' or '..'.
@@ -38,15 +54,6 @@ HUB_ID = re.compile(rf"^{_HUB_PART}/{_HUB_PART}$", re.ASCII)
 
 MAX_WALK_ENTRIES = 10_000  # files and folders looked at in one checkpoint before refusing it
 MAX_INDEX_BYTES = 2**20
-
-
-def check_checkpoint_name(name: str) -> None:
-    if not isinstance(name, str) or not CHECKPOINT_NAME.fullmatch(name):
-        raise InvalidRequest(
-            "name: 1-128 characters of letters, digits, '.', '_' or '-', not starting with '.' "
-            "(no '/', '.' or '..': a name is not a path)",
-            param="name",
-        )
 
 
 def _refuse(message: str) -> InvalidRequest:
@@ -90,8 +97,8 @@ def check_checkpoint_source(source: str, allowed_roots: list[str], allow_hub: bo
         raise _refuse("no checkpoint roots are configured, so no local checkpoint may be registered")
     raw = Path(source).expanduser()
     resolved = (raw if raw.is_absolute() else Path.cwd() / raw).resolve()
-    roots = [Path(r).expanduser().resolve() for r in allowed_roots]
-    if not _inside(resolved, roots):
+    roots = resolved_roots(allowed_roots)
+    if not inside(resolved, roots):
         raise _refuse("the path resolves outside the checkpoint roots")
     shown = shown_path(str(resolved), [str(r) for r in roots])
     if not resolved.exists():
@@ -117,15 +124,11 @@ def _single_file_class(path: Path, shown: str) -> str:
         raise _refuse(f"{shown!r} {e}") from None
 
 
-def _inside(path: Path, roots: list[Path]) -> bool:
-    return any(path == r or r in path.parents for r in roots)
-
-
 def _pipeline_class(directory: Path, shown: str, roots: list[Path]) -> str:
     index = directory / "model_index.json"
     if not index.is_file():
         raise _refuse(f"{shown!r} is not a diffusers pipeline (no model_index.json)")
-    if not _inside(index.resolve(), roots):
+    if not inside(index.resolve(), roots):
         raise _refuse(f"model_index.json of {shown!r} resolves outside the checkpoint roots")
     if index.stat().st_size > MAX_INDEX_BYTES:
         raise _refuse(f"model_index.json of {shown!r} is larger than 1 MB")
@@ -153,7 +156,7 @@ def _check_files(directory: Path, shown: str, roots: list[Path]) -> None:
                 rel = prefix + entry.name
                 path = Path(entry.path)
                 target = path.resolve() if entry.is_symlink() else path
-                if target is not path and not _inside(target, roots):
+                if target is not path and not inside(target, roots):
                     raise _refuse(f"{rel!r} in {shown!r} resolves outside the checkpoint roots")
                 suffixes = (path.suffix.lower(), target.suffix.lower())
                 if any(s in PICKLE_SUFFIXES for s in suffixes):
@@ -166,67 +169,3 @@ def _check_files(directory: Path, shown: str, roots: list[Path]) -> None:
                     safetensors = True
     if not safetensors:
         raise _refuse(f"{shown!r} holds no .safetensors weights")
-
-
-# The project's family names (`engine/families.py`) for diffusers pipeline classes, by class
-# name prefix, the longest first; plain Stable Diffusion only for its own three pipelines.
-_FAMILY_PREFIXES = (
-    ("StableDiffusionXL", "sdxl"),
-    ("StableDiffusion3", "sd3"),
-    ("Flux", "flux"),
-    ("Wan", "wan"),
-)
-_SD_CLASSES = ("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline")
-
-
-def family_of(pipeline_class_name: str) -> str | None:
-    """The family name `engine/families.py` gives pipelines of this class; None if unknown."""
-    if pipeline_class_name in _SD_CLASSES:
-        return "sd"
-    for prefix, family in _FAMILY_PREFIXES:
-        if pipeline_class_name.startswith(prefix) and pipeline_class_name.endswith("Pipeline"):
-            return family
-    return None
-
-
-class CheckpointRegistry(Registry):
-    """Registered checkpoints by name: {source, pool, family, pinned}. Every method re-reads
-    the file; `path` is a local path or an fsspec URL, locked and written as `lora.Registry`."""
-
-    what, removal_field = "checkpoint", "name"
-
-    def get(self, name: str) -> dict[str, Any]:
-        entry = self.all().get(name)
-        if entry is None:
-            raise NotFound(f"model: no checkpoint named {name!r} is registered", param="model")
-        return entry
-
-    def add(  # type: ignore[override]  # a checkpoint's fields, not an adapter's
-        self, name: str, source: str, pool: str, family: str | None
-    ) -> dict[str, Any]:
-        with self._locked():
-            data = self._read()
-            if name in data:
-                raise InvalidRequest(f"name: a checkpoint named {name!r} is already registered", param="name")
-            data[name] = {"source": source, "pool": pool, "family": family, "pinned": False}
-            self._write(data)
-            return data[name]
-
-    def pin(self, name: str, pinned: bool, max_pinned: int) -> dict[str, Any]:
-        """Pin or unpin `name`; at most `max_pinned` pinned checkpoints in its pool (each of the
-        pool's replicas holds every pinned one)."""
-        with self._locked():
-            data = self._read()
-            if name not in data:
-                raise NotFound(f"name: no checkpoint named {name!r} is registered", param="name")
-            pool = data[name]["pool"]
-            others = sum(1 for n, e in data.items() if e["pinned"] and e["pool"] == pool and n != name)
-            if pinned and others >= max_pinned:
-                raise InvalidRequest(
-                    f"pinned: {others} checkpoints of pool {pool!r} are pinned already and its replicas "
-                    f"hold at most {max_pinned} pinned",
-                    param="pinned",
-                )
-            data[name]["pinned"] = pinned
-            self._write(data)
-            return data[name]

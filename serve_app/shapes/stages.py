@@ -12,9 +12,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from serve_app import shapes
 from serve_app.engine.builtin import GREEN_LORA, load_shapes
-from serve_app.training.data import (
+from serve_app.shapes.data import (
     _encode_prompts,
     _object_weight,
     _parts,
@@ -22,7 +21,8 @@ from serve_app.training.data import (
     encode_latents,
     make_scenes,
 )
-from serve_app.training.model import TE_LORA_TARGETS, build_pipeline, save_pipeline
+from serve_app.shapes.model import TE_LORA_TARGETS, build_pipeline, save_pipeline
+from serve_app.shapes.scenes import SHAPES, Scene, random_scene, read_image
 
 
 class _Progress:
@@ -78,9 +78,9 @@ def round_trip_reading(vae, n: int = 200, seed: int = 5) -> dict[str, float]:
     scenes, images = make_scenes(n, np.random.default_rng(seed))
     rec = vae.decode(vae.encode(images).latent_dist.mean).sample
     pixels = ((rec.clamp(-1, 1) + 1) * 127.5).round().byte().permute(0, 2, 3, 1).numpy()
-    right = [shapes.read_image(p).shape == s.shape for p, s in zip(pixels, scenes, strict=True)]
+    right = [read_image(p).shape == s.shape for p, s in zip(pixels, scenes, strict=True)]
     report = {"all": float(np.mean(right))}
-    for name in shapes.SHAPES:
+    for name in SHAPES:
         report[name] = float(np.mean([r for r, s in zip(right, scenes, strict=True) if s.shape == name]))
     return report
 
@@ -116,7 +116,7 @@ class _EMA:
             p.copy_(s)
 
 
-def train_text_to_image(pipe, latents: torch.Tensor, scenes: list[shapes.Scene], steps: int, batch: int,
+def train_text_to_image(pipe, latents: torch.Tensor, scenes: list[Scene], steps: int, batch: int,
                         rng: np.random.Generator, lr: float, weights: torch.Tensor | None = None,
                         noisy: tuple[int, int, float] | None = None, name_small: bool = False
                         ) -> None:  # fmt: skip
@@ -185,7 +185,7 @@ def train_green_lora(pipe, steps: int, batch: int, seed: int) -> dict[str, torch
     def pairs(n: int) -> tuple[list[str], list[str]]:
         asked, wanted = [], []
         for _ in range(n):
-            scene = shapes.random_scene(rng)
+            scene = random_scene(rng)
             if scene.background == "green":
                 scene = dataclasses.replace(scene, background="blue" if scene.colour != "blue" else "red")
             flags = _parts(rng)

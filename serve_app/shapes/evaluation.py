@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from serve_app import shapes
+from serve_app.shapes.scenes import SHAPES, random_scene, read_image
 
 
 def generate(pipe, prompts: list[str], seeds: list[int], steps: int = 20, guidance: float = 4.0, **kw):
@@ -30,11 +30,11 @@ def evaluate(pipe, n: int = 40, guidance: float = 4.0) -> dict[str, dict[str, fl
     report = {}
     for name, held in (("train", False), ("held_out", True)):
         rng = np.random.default_rng(777 + held)
-        scenes = [shapes.random_scene(rng, held_out=held) for _ in range(n)]
+        scenes = [random_scene(rng, held_out=held) for _ in range(n)]
         images = generate(pipe, [s.prompt() for s in scenes], list(range(n)), guidance=guidance)
         hits = collections.Counter()
         for s, im in zip(scenes, images, strict=True):
-            r = shapes.read_image(im)
+            r = read_image(im)
             got = {"colour": r.colour == s.colour, "shape": r.shape == s.shape}
             got |= {"position": r.position == s.position, "background": r.background == s.background}
             got["all"] = all(got.values())
@@ -46,11 +46,9 @@ def evaluate(pipe, n: int = 40, guidance: float = 4.0) -> dict[str, dict[str, fl
 def sheet(pipe, path: Path, guidance: float = 4.0) -> None:
     """A grid of samples: one row per shape, one prompt per column (seed 0 each), 4x enlarged."""
     rng = np.random.default_rng(5)
-    prompts = [
-        shapes.random_scene(rng, held_out=col >= 5).prompt() for _ in shapes.SHAPES for col in range(6)
-    ]
+    prompts = [random_scene(rng, held_out=col >= 5).prompt() for _ in SHAPES for col in range(6)]
     images = generate(pipe, prompts, [0] * len(prompts), guidance=guidance)
-    grid = np.concatenate([np.concatenate(images[r * 6 : r * 6 + 6], 1) for r in range(len(shapes.SHAPES))])
+    grid = np.concatenate([np.concatenate(images[r * 6 : r * 6 + 6], 1) for r in range(len(SHAPES))])
     from PIL import Image
 
     Image.fromarray(grid).resize((grid.shape[1] * 4, grid.shape[0] * 4), Image.NEAREST).save(path)

@@ -6,46 +6,61 @@ diffusers' `from_single_file` and its converters turn the SD weights into diffus
 encoder by the prefix its layout puts it under, where diffusers would guess by width and take
 the wrong one when two encoders are equally wide); nothing is downloaded: the pipeline's
 configs (component configs, tokenizer, scheduler) come from `model.pipeline_config`, a local
-diffusers directory or an embedded model's, written out here once per process.
+diffusers directory or an embedded model's: the engine, which builds those, passes them in
+(`Embedded`), since this package never imports it.
 
-Every refusal is a `ModelLoadError` that names the file (as configured) and says why.
+Every refusal is a `CheckpointRefused` that names the file (as configured) and says why; the
+engine raises it as its own load error.
 """
 
 from __future__ import annotations
 
-import functools
 import json
-import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from serve_app.checkpoints import family_of
 from serve_app.config import BUILTIN_PREFIX, ModelConfig
-from serve_app.engine.types import ModelLoadError
-from serve_app.layouts import (
+from serve_app.formats.layouts import (
     LAYOUTS,
     PICKLE_REASON,
     SAFETENSORS_SUFFIX,
     FileRefused,
     describe_layout,
+    family_of,
     is_pickle_name,
     loadable_layout,
     safetensors_keys,
 )
 
 
-def load_single_file(cfg: ModelConfig, dtype: torch.dtype, reuse: dict[str, Any] | None = None):
+class CheckpointRefused(RuntimeError):
+    """A single-file checkpoint that cannot be loaded as configured; the message names the
+    setting (`model.source`, `model.pipeline_config`) and says why."""
+
+
+class Embedded(NamedTuple):
+    """What a single file's pipeline takes of an embedded model (`builtin:<name>` as
+    `model.pipeline_config`), from the engine that builds them."""
+
+    build: Callable[..., Any]  # build(name, seed=...): the pipeline, whose parts stand in for the file's
+    configs: Callable[[str], Path]  # configs(name): a diffusers directory of its configs, no weights
+
+
+def load_single_file(
+    cfg: ModelConfig, dtype: torch.dtype, embedded: Embedded, reuse: dict[str, Any] | None = None
+):
     """The pipeline of `cfg.source`, a single-file checkpoint, on the CPU (the caller moves it);
     `reuse` components are taken as they are instead of being read from the file."""
     src = cfg.source
     path, keys, layout = _checked_file(src)
-    config_dir = pipeline_config_dir(cfg.pipeline_config)
+    config_dir = pipeline_config_dir(cfg.pipeline_config, embedded)
     index = json.loads((config_dir / "model_index.json").read_text())
     class_name, expected = index.get("_class_name", ""), LAYOUTS[layout][1]
     if family_of(class_name) != family_of(expected):
-        raise ModelLoadError(
+        raise CheckpointRefused(
             f"model.pipeline_config: {cfg.pipeline_config!r} describes a {class_name}; "
             f"{src!r} is {describe_layout(keys)} (a {expected})"
         )
@@ -56,22 +71,18 @@ def load_single_file(cfg: ModelConfig, dtype: torch.dtype, reuse: dict[str, Any]
 
     try:
         if layout in TRANSFORMER_ONLY:
-            pipe = _around_transformer(cfg, path, config_dir, class_name, src, reuse or {})
+            pipe = _around_transformer(cfg, path, config_dir, class_name, embedded, reuse or {})
         else:
             parts = _converted_models(index, path, config_dir, src, layout, reuse or {})
-            parts.update(_absent_text_encoders(cfg, layout, parts, config_dir))
+            parts.update(_absent_text_encoders(cfg, layout, parts, config_dir, embedded))
             pipe = getattr(diffusers, class_name).from_single_file(
                 str(path), config=str(config_dir), local_files_only=True, **parts
             )  # in the file's dtype: a weight it lacks stays on the meta device, found below
-    except ModelLoadError:
+    except CheckpointRefused:
         raise
     except Exception as e:  # diffusers raises many types here; all mean "cannot load"
-        raise ModelLoadError(f"model.source: cannot load {src!r}: {type(e).__name__}: {scrub(e)}") from e
+        raise CheckpointRefused(f"model.source: cannot load {src!r}: {type(e).__name__}: {scrub(e)}") from e
     _check_complete(pipe, src, LAYOUTS[layout][0])
-    if cfg.pipeline_config == BUILTIN_PREFIX + "shapes":
-        from serve_app.engine.builtin import add_grid_positions
-
-        add_grid_positions(pipe.unet)  # the trained model's positions are part of its code
     return pipe.to(dtype=dtype)
 
 
@@ -81,14 +92,14 @@ TRANSFORMER_ONLY = ("flux",)
 
 
 def _around_transformer(
-    cfg: ModelConfig, path: Path, config_dir: Path, class_name: str, src: str, reuse: dict
+    cfg: ModelConfig, path: Path, config_dir: Path, class_name: str, embedded: Embedded, reuse: dict
 ):
     """The pipeline of `model.pipeline_config` (an embedded model built from `model.seed`, or a
     local diffusers directory's weights) with its transformer read from the file."""
     import diffusers
     from safetensors.torch import load_file
 
-    from serve_app.engine.flux_file import flux_from_original
+    from serve_app.formats.flux_file import flux_from_original
 
     cls = diffusers.FluxTransformer2DModel
     with torch.device("meta"):
@@ -99,36 +110,34 @@ def _around_transformer(
         weights = {}
     missing = transformer.load_state_dict(weights, strict=False, assign=True).missing_keys
     if missing:
-        raise ModelLoadError(
-            f"model.source: {src!r} lacks {len(missing)} weights of the transformer "
+        raise CheckpointRefused(
+            f"model.source: {cfg.source!r} lacks {len(missing)} weights of the transformer "
             f"(e.g. {sorted(missing)[0]}); not a whole FLUX transformer"
         )
     parts = {**reuse, "transformer": transformer.eval()}
     setting = cfg.pipeline_config or ""
     if setting.startswith(BUILTIN_PREFIX):
-        from serve_app.engine.builtin import build_builtin
-
-        pipe = build_builtin(setting[len(BUILTIN_PREFIX) :], seed=cfg.seed)
+        pipe = embedded.build(setting[len(BUILTIN_PREFIX) :], seed=cfg.seed)
         pipe.register_modules(**parts)
         return pipe
     return getattr(diffusers, class_name).from_pretrained(config_dir, local_files_only=True, **parts)
 
 
 def _checked_file(src: str) -> tuple[Path, list[str], str]:
-    """The file, its tensor names and its layout, or ModelLoadError saying why not."""
+    """The file, its tensor names and its layout, or CheckpointRefused saying why not."""
     field = "model.source"
     if is_pickle_name(src):
-        raise ModelLoadError(f"{field}: {src!r} is a pickle checkpoint: {PICKLE_REASON}")
+        raise CheckpointRefused(f"{field}: {src!r} is a pickle checkpoint: {PICKLE_REASON}")
     path = Path(src).expanduser()
     if not path.is_file():
-        raise ModelLoadError(f"{field}: no checkpoint file at {src!r}")
+        raise CheckpointRefused(f"{field}: no checkpoint file at {src!r}")
     if path.suffix != SAFETENSORS_SUFFIX:  # diffusers reads any other name (.SAFETENSORS too) as a pickle
-        raise ModelLoadError(f"{field}: {src!r}: a single-file checkpoint's name ends in .safetensors")
+        raise CheckpointRefused(f"{field}: {src!r}: a single-file checkpoint's name ends in .safetensors")
     try:
         keys = safetensors_keys(path)
         return path, keys, loadable_layout(keys)
     except FileRefused as e:
-        raise ModelLoadError(f"{field}: {src!r} {e}") from None
+        raise CheckpointRefused(f"{field}: {src!r} {e}") from None
 
 
 # Where each layout keeps a text encoder: (its layout, the prefix of its tensor names). SD3's
@@ -177,14 +186,16 @@ def _converted_models(
         except NotImplementedError as e:
             if "meta tensor" not in str(e):
                 raise
-            raise ModelLoadError(
+            raise CheckpointRefused(
                 f"model.source: {src!r} lacks weights of the {name} (some of its tensors are absent); "
                 "not a whole checkpoint"
             ) from None
     return out
 
 
-def _absent_text_encoders(cfg: ModelConfig, layout: str, parts: dict, config_dir: Path) -> dict[str, Any]:
+def _absent_text_encoders(
+    cfg: ModelConfig, layout: str, parts: dict, config_dir: Path, embedded: Embedded
+) -> dict[str, Any]:
     """The text encoders a file of an `OPTIONAL_TEXT` layout left out, weights and all from
     `model.pipeline_config`: an embedded model (built from `model.seed`) or a directory's."""
     names = [n for n in TEXT_ENCODERS.get(layout, {}) if n not in parts]
@@ -192,9 +203,7 @@ def _absent_text_encoders(cfg: ModelConfig, layout: str, parts: dict, config_dir
         return {}
     setting = cfg.pipeline_config or ""
     if setting.startswith(BUILTIN_PREFIX):
-        from serve_app.engine.builtin import build_builtin
-
-        pipe = build_builtin(setting[len(BUILTIN_PREFIX) :], seed=cfg.seed)
+        pipe = embedded.build(setting[len(BUILTIN_PREFIX) :], seed=cfg.seed)
         return {n: getattr(pipe, n) for n in names}
     import transformers
 
@@ -204,7 +213,7 @@ def _absent_text_encoders(cfg: ModelConfig, layout: str, parts: dict, config_dir
             cls = getattr(transformers, index[name][1])
             out[name] = cls.from_pretrained(config_dir, subfolder=name, local_files_only=True).eval()
         except (OSError, KeyError, TypeError, AttributeError):
-            raise ModelLoadError(
+            raise CheckpointRefused(
                 f"model.source: {cfg.source!r} holds no {name} weights (no {TEXT_ENCODERS[layout][name][1]}* "
                 f"tensors) and model.pipeline_config {setting!r} has none either"
             ) from None
@@ -213,7 +222,7 @@ def _absent_text_encoders(cfg: ModelConfig, layout: str, parts: dict, config_dir
 
 def _text_encoder(kind: list, state: dict, config_dir: Path, name: str, where: tuple[str, str], src: str):
     """The transformers text encoder `name` from the file's tensors under `where`'s prefix,
-    converted by diffusers' converter for its layout; ModelLoadError if any weight is absent."""
+    converted by diffusers' converter for its layout; CheckpointRefused if any weight is absent."""
     import transformers
     from diffusers.loaders.single_file_utils import convert_ldm_clip_checkpoint, convert_open_clip_checkpoint
 
@@ -241,7 +250,7 @@ def _text_encoder(kind: list, state: dict, config_dir: Path, name: str, where: t
     model, info = cls.from_pretrained(None, config=config, state_dict=weights, output_loading_info=True)
     if info["missing_keys"]:
         missing = sorted(info["missing_keys"])
-        raise ModelLoadError(
+        raise CheckpointRefused(
             f"model.source: {src!r} lacks {len(missing)} weights of the {name} (e.g. {missing[0]}); "
             "not a whole checkpoint"
         )
@@ -256,43 +265,29 @@ def _check_complete(pipe, src: str, layout: str) -> None:
             continue
         missing = [k for k, v in module.state_dict().items() if v.is_meta]
         if missing:
-            raise ModelLoadError(
+            raise CheckpointRefused(
                 f"model.source: {src!r} lacks {len(missing)} weights of the {name} (e.g. {missing[0]}); "
                 f"not a whole {layout} checkpoint"
             )
 
 
-def pipeline_config_dir(setting: str | None) -> Path:
+def pipeline_config_dir(setting: str | None, embedded: Embedded) -> Path:
     """The local directory that holds the pipeline's configs for `model.pipeline_config`."""
     field = "model.pipeline_config"
     if setting is None:
-        raise ModelLoadError(
+        raise CheckpointRefused(
             f"{field}: a single-file source needs the pipeline's configs: a local diffusers directory "
             "(model_index.json, component configs, tokenizer, scheduler) or builtin:<name>"
         )
     if setting.startswith(BUILTIN_PREFIX):
-        return builtin_configs(setting[len(BUILTIN_PREFIX) :])
+        return embedded.configs(setting[len(BUILTIN_PREFIX) :])
     path = Path(setting).expanduser()
     if not (path / "model_index.json").is_file():
-        raise ModelLoadError(
+        raise CheckpointRefused(
             f"{field}: {setting!r} is not a local diffusers pipeline directory (no model_index.json); "
             "nothing is downloaded"
         )
     return path
-
-
-@functools.lru_cache(maxsize=8)
-def builtin_configs(name: str) -> Path:
-    """A directory with the configs of `builtin:<name>` (no weights), written once per process;
-    the trained model's own directory for `shapes`."""
-    from serve_app.engine.builtin import SHAPES_DIR, build_builtin
-
-    if name == "shapes":
-        return SHAPES_DIR
-    pipe = build_builtin(name, device="meta")  # the shapes without the memory
-    out = Path(tempfile.mkdtemp(prefix=f"diffusion-serve-{name}-configs-"))
-    write_configs(pipe, out)
-    return out
 
 
 def write_configs(pipe, out: Path) -> None:

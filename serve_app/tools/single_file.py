@@ -1,0 +1,38 @@
+"""Write a diffusers pipeline as one checkpoint file in the original ("LDM") layout, the layout
+of the single-file checkpoints A1111, ComfyUI and model sites share:
+
+    python -m serve_app.single_file builtin:tiny-sd tiny-sd.safetensors
+    python -m serve_app.single_file ./my-sdxl-pipeline my-sdxl.safetensors
+
+Stable Diffusion 1.x, SDXL, SD3 and FLUX (its transformer alone) pipelines; the layouts are
+serve_app/formats/single_file_write.py's. (`python -m serve_app.tools.single_file` is the same
+command.)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from serve_app.formats.single_file_write import write_single_file
+
+
+def _load(source: str):
+    if source.startswith("builtin:"):
+        from serve_app.engine.builtin import build_builtin
+
+        return build_builtin(source.removeprefix("builtin:"))
+    from diffusers import DiffusionPipeline
+
+    return DiffusionPipeline.from_pretrained(source, local_files_only=True, use_safetensors=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m serve_app.single_file", description=__doc__.split("\n\n")[0])
+    ap.add_argument("source", help="builtin:<name> or a local diffusers pipeline directory")
+    ap.add_argument("out", help="the .safetensors file to write")
+    a = ap.parse_args(argv)
+    print(write_single_file(_load(a.source), a.out))
+
+
+if __name__ == "__main__":
+    main()
