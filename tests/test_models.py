@@ -340,8 +340,8 @@ def test_a_checkpoint_s_header_is_read_off_the_event_loop(multi, client, checkpo
     import struct
     import threading
 
-    tensors = {f"t{i}": {"dtype": "F16", "shape": [1], "data_offsets": [0, 0]} for i in range(400_000)}
-    raw = json.dumps(tensors).encode()  # about 35 MB, read here in well over a second
+    tensors = {f"t{i}": {"dtype": "F16", "shape": [1], "data_offsets": [0, 0]} for i in range(700_000)}
+    raw = json.dumps(tensors).encode()  # about 60 MB, read here in two seconds or more
     big = checkpoints / "big-header.safetensors"
     big.write_bytes(struct.pack("<Q", len(raw)) + raw)
     answer: list = []
@@ -365,7 +365,7 @@ def test_a_checkpoint_s_header_is_read_off_the_event_loop(multi, client, checkpo
         big.unlink()
     r, took = answer[0]
     assert r.status_code == 400 and r.json()["error"]["param"] == "source", r.text  # no known layout
-    assert took > 0.8, f"the header read in {took:.2f}s: too quick to show anything"
+    assert took > 0.5, f"the header read in {took:.2f}s: too quick to show anything"
     assert len(live) >= 3 and max(live) < took / 2, (took, live)
 
 

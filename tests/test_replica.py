@@ -350,6 +350,15 @@ def faulty():
     stop(r)
 
 
+def fresh_health(replica) -> None:
+    """The replica's health record anew (no verdicts, no recent self-test), whatever ran before."""
+    from serve_app.replica.health import Health
+
+    replica.health = replica.engine_loop.health = Health(
+        replica.health.max_failures, replica.health.call_timeout_s
+    )
+
+
 def _fail(replica, rid: str, **kw):
     from serve_app.errors import ServingError
 
@@ -361,6 +370,7 @@ def _fail(replica, rid: str, **kw):
 def test_failing_requests_alone_never_make_a_replica_unhealthy(faulty):
     from serve_app.errors import InvalidRequest
 
+    fresh_health(faulty)
     faulty.engine.fail_next = 10  # more than max_consecutive_failures, three times over
     tests_before = faulty.engine.self_tests
     for i in range(10):
@@ -378,13 +388,9 @@ def test_failing_requests_alone_never_make_a_replica_unhealthy(faulty):
 
 
 def test_failures_the_self_test_shares_are_the_engine_s_counted_and_checked_again(faulty):
-    from serve_app.replica.health import Health
-
     # A fresh record: the test above left a verdict for failures of this kind (they were the
     # requests' own), which would answer these without a self-test for a minute.
-    faulty.health = faulty.engine_loop.health = Health(
-        faulty.health.max_failures, faulty.health.call_timeout_s
-    )
+    fresh_health(faulty)
     faulty.engine.fail_next = 3
     faulty.engine.self_test_fails_next = 3  # each failure's own self-test fails: the engine's fault
     for i in range(3):
@@ -581,8 +587,9 @@ def test_abort_of_a_request_waiting_for_its_checkpoint_answers_aborted(fake):
                 update={"checkpoint": "ck", "checkpoint_source": "ck"}
             )
             waiting = asyncio.ensure_future(fake.generate(request))
-            while fake.request_status("waits-for-ckpt") is None:
-                await asyncio.sleep(0.005)
+            async with asyncio.timeout(30):
+                while fake.request_status("waits-for-ckpt") is None:
+                    await asyncio.sleep(0.005)
             answer = fake.abort(["waits-for-ckpt", "never-seen"])
             with pytest.raises(Aborted):
                 await waiting

@@ -139,6 +139,18 @@ def test_the_same_in_a_form_and_in_a_job_and_real_text_still_passes(client):
     assert ok.status_code == 200, ok.text[:300]
 
 
+def test_the_same_values_in_any_spelling_the_parser_reads_are_refused(client):
+    """Python's parser reads more than the check once looked at: UTF-16 and UTF-32 bodies,
+    surrogates encoded as bytes, any `application/*+json`, a long run of digits."""
+    utf16 = '{"prompt": "a", "guidance_scale": NaN}'.encode("utf-16")
+    refused(client.post(GEN, content=utf16, headers=JSON), "body")
+    refused(client.post(GEN, content=b'{"prompt": "a\xed\xa0\x80"}', headers=JSON), "body")
+    merge = {"content-type": "application/merge-patch+json"}
+    refused(client.post(GEN, content=rb'{"prompt": "a", "extra": {"eta": NaN}}', headers=merge), "extra.eta")
+    digits = b'{"prompt": "a", "extra": {"eta": 1' + b"0" * 400 + b".0}}"
+    refused(client.post(GEN, content=digits, headers=JSON), "extra.eta")
+
+
 # ------------------------------------------------------------------ 4: empty schedules
 
 

@@ -62,7 +62,7 @@ def _refuse(message: str) -> InvalidRequest:
 
 def is_hub_id(source: str) -> bool:
     """Whether `source` has the form of a hub id (`org/name`) diffusers would download."""
-    if not HUB_ID.match(source) or source.endswith(".git"):
+    if not HUB_ID.fullmatch(source) or source.endswith(".git"):
         return False
     return ".." not in source and "--" not in source
 

@@ -2,6 +2,7 @@
 profiler, and collective RPC to the replicas' engines. Each needs an admin key (or the local
 opt-in); listing the adapters is open to any caller."""
 
+import asyncio
 import re
 from typing import Any
 
@@ -33,7 +34,8 @@ async def add_lora(
     check_name(name)
     lim = core.cfg.lora
     served = core.models.by_name(model)
-    resolved = check_adapter_file(path, lim.allowed_roots, lim.max_file_mb)
+    # Off the event loop: the file's header is read (its JSON parse holds the thread for as long).
+    resolved = await asyncio.to_thread(check_adapter_file, path, lim.allowed_roots, lim.max_file_mb)
     if name in core.registry.all():
         raise InvalidRequest(f"name: an adapter named {name!r} is already registered", param="name")
     await served.ensure_ready()

@@ -161,9 +161,10 @@ def check_edit_steps(req: PreparedRequest, info: ModelDescription) -> None:
             least += 1
         more = f" or num_inference_steps to at least {least}"
     given = "" if req.strength is not None else " (the default)"
+    least_strength = math.ceil(1000 / steps) / 1000  # 3 decimals, rounded up: one whole step
     raise InvalidRequest(
         f"strength: {strength:g}{given} of {steps} steps runs no denoising step: {info.model} runs "
-        f"int(num_inference_steps × strength) steps; raise strength to at least {1 / steps:.3g}{more}",
+        f"int(num_inference_steps × strength) steps; raise strength to at least {least_strength:g}{more}",
         param="strength",
     )
 

@@ -72,11 +72,21 @@ class HeadAsGet:
             return await self.app(scope, receive, send)
 
         async def headless(message):
-            if message["type"] == "http.response.body":
-                message = {**message, "body": b""}
-            await send(message)
+            # The head is all a HEAD gets: once it is sent the answer ends, and the GET stops
+            # (a stream would otherwise run on, and keep the connection, to its end).
+            if message["type"] == "http.response.start":
+                await send(message)
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+                raise _HeadSent
 
-        await self.app({**scope, "method": "GET"}, receive, headless)
+        try:
+            await self.app({**scope, "method": "GET"}, receive, headless)
+        except _HeadSent:
+            pass
+
+
+class _HeadSent(Exception):
+    """Raised from a HEAD's send once its head is out, to stop the GET that answers it."""
 
 
 async def _no_replica(request: Request, exc: DeploymentUnavailableError) -> JSONResponse:

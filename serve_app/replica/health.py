@@ -8,8 +8,11 @@ hangs past its limit or a stopped engine loop do make it unhealthy.
 Which failures are the caller's is not decided by a list of exception types: after a call
 fails in a way no check foresaw, the engine runs the self-test (the model's defaults). If that
 works, the engine is sound and the request's own arguments made the call fail: a 400, not
-counted. The verdict is kept a minute for failures of the same kind (the same exception and
-message up to its numbers), so a caller repeating it costs no further self-test.
+counted. Only a call that held one request is judged so: a shared call's requests get a 500
+(one of them is at fault, which one is not known), not counted either. The verdict is kept a
+minute for failures of the same kind (the same exception and message up to its numbers), so a
+caller repeating it costs no further self-test, and a self-test that clears a request runs at
+most once every `RECHECK_S` (in between, such failures count as before).
 """
 
 from __future__ import annotations
@@ -28,9 +31,12 @@ from serve_app.errors import EngineFailure, InvalidRequest, OutOfMemory, Replica
 logger = logging.getLogger("ray.serve")
 
 _PATH = re.compile(r"(?<![\w.])/(?:[\w.@+-]+/)+[\w.@+-]*")
-_NUMBER = re.compile(r"\d+(?:\.\d+)?(?:e[+-]?\d+)?")
+_NUMBER = re.compile(r"0x[0-9a-fA-F]+|\d+(?:\.\d+)?(?:e[+-]?\d+)?")
 VERDICT_S = 60.0  # how long a self-test's verdict stands for failures of the same kind
 _VERDICTS = 64  # kinds of failure remembered
+RECHECK_S = 10.0  # at most one self-test this often for a kind not judged yet
+# A device allocator's failure raised as a plain RuntimeError: out of memory all the same.
+_ALLOC_FAILED = re.compile(r"out of memory|ALLOC_FAILED|CUBLAS_STATUS_ALLOC|cudaErrorMemoryAllocation", re.I)
 
 
 def no_paths(message: str) -> str:
@@ -49,16 +55,21 @@ class Health:
         self.call_started: float | None = None
         self.argument_failures = 0  # calls that failed on their arguments (judged by a self-test)
         self._verdicts: collections.OrderedDict[str, float] = collections.OrderedDict()
+        self._rechecked_at = -RECHECK_S
 
-    def classify(self, e: Exception, request_id: str, rows: int, params: CallParams) -> ServingError:
-        """A failed call's error for its callers; engine failures are counted, a fatal device
-        error marks the replica as leaving."""
+    def classify(
+        self, e: Exception, request_id: str, rows: int, params: CallParams, requests: int = 1
+    ) -> ServingError:
+        """A failed call's error for its callers (`requests` of them shared the call); engine
+        failures are counted, a fatal device error marks the replica as leaving."""
         if isinstance(e, LoraError):
             return InvalidRequest(f"lora: {e}", param="lora", request_id=request_id)
         if isinstance(e, InvalidArguments):
             param = "extra" if params.extra else None
             return InvalidRequest(no_paths(str(e)), param=param, request_id=request_id)
-        if isinstance(e, torch.OutOfMemoryError):
+        if isinstance(e, torch.OutOfMemoryError) or (
+            isinstance(e, RuntimeError) and _ALLOC_FAILED.search(str(e)) and not is_fatal_device_error(e)
+        ):
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             logger.warning("request %s ran out of device memory", request_id)
@@ -67,7 +78,7 @@ class Health:
                 "try fewer or smaller images",
                 request_id=request_id,
             )
-        if not is_fatal_device_error(e) and self._known_argument_failure(e):
+        if requests == 1 and not is_fatal_device_error(e) and self._known_argument_failure(e):
             self.argument_failures += 1
             return self._argument_error(e, request_id, params)
         self.consecutive_failures += 1
@@ -80,25 +91,44 @@ class Health:
             return self.lost(request_id)
         return EngineFailure(f"engine error: {type(e).__name__}: {no_paths(str(e))}", request_id=request_id)
 
-    def recheck(self, engine, e: Exception, request_id: str, params: CallParams) -> ServingError | None:
-        """Engine thread, after `e` failed a call as an engine failure: run the self-test. If
-        the model runs its defaults, the call failed on its request's arguments: that request's
-        400 (returned), and the failure is not counted. None if the self-test fails too."""
+    def recheck(
+        self, engine, e: Exception, request_id: str, params: CallParams, requests: int = 1
+    ) -> ServingError | None:
+        """Engine thread, after `e` failed a call of `requests` requests as an engine failure:
+        run the self-test. If the model runs its defaults, the call failed on its arguments and
+        the failure is not counted: a lone request's 400, a shared call's 500 (returned). None if
+        the self-test fails too, or cleared a request less than `RECHECK_S` ago (the failure stays
+        counted)."""
+        now = time.monotonic()
+        if now - self._rechecked_at < RECHECK_S:  # a caller's failures cost a self-test this often
+            return None
         try:
             engine.self_test()
-        except Exception:
+        except Exception as failed:
+            logger.warning("the self-test after request %s failed too: %s: %s", request_id,
+                           type(failed).__name__, no_paths(str(failed))[:300])  # fmt: skip
+            if is_fatal_device_error(failed):
+                self.fatal = f"fatal device error: {type(failed).__name__}: {failed}"
             self._verdicts.clear()
             return None
+        self._rechecked_at = now
         self.consecutive_failures = max(0, self.consecutive_failures - 1)
         self.argument_failures += 1
-        self._verdicts[_kind(e)] = time.monotonic()
-        self._verdicts.move_to_end(_kind(e))
-        while len(self._verdicts) > _VERDICTS:
-            self._verdicts.popitem(last=False)
         logger.warning(
             "request %s failed on its arguments (the self-test runs): %s: %s",
             request_id, type(e).__name__, no_paths(str(e))[:300],
         )  # fmt: skip
+        if requests > 1:
+            return EngineFailure(
+                f"engine error: a call shared by {requests} requests failed, and the model runs its "
+                f"defaults, so one request's arguments are likely at fault: {type(e).__name__}: "
+                f"{no_paths(str(e))[:300]}",
+                request_id=request_id,
+            )
+        self._verdicts[_kind(e)] = now
+        self._verdicts.move_to_end(_kind(e))
+        while len(self._verdicts) > _VERDICTS:
+            self._verdicts.popitem(last=False)
         return self._argument_error(e, request_id, params)
 
     def _known_argument_failure(self, e: Exception) -> bool:

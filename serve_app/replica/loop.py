@@ -112,7 +112,7 @@ class EngineLoop:
             self.health.call_started = time.monotonic()
             out = await loop.run_in_executor(self._engine_thread, self._run_call, batch, rows, hook)
         except Exception as e:  # one call's failure; the loop goes on
-            err = await self._judged(e, batch[0], len(rows), loop)
+            err = await self._judged(e, batch[0], len(rows), loop, requests=len(batch))
             for job in batch:
                 if job.state == "running":
                     self.scheduler.fail(job, err)
@@ -121,19 +121,20 @@ class EngineLoop:
         self._deliver(batch, out)
 
     async def _judged(
-        self, e: Exception, job: Job, rows: int, loop: asyncio.AbstractEventLoop
+        self, e: Exception, job: Job, rows: int, loop: asyncio.AbstractEventLoop, requests: int
     ) -> ServingError:
-        """A failed call's error for its requests. A failure no check foresaw is judged by the
-        self-test (`Health.recheck`): the request's 400 if the model runs its defaults."""
+        """A failed call's error for its `requests` requests. A failure no check foresaw is
+        judged by the self-test (`Health.recheck`): a lone request's 400 if the model runs its
+        defaults (a shared call's 500, not counted)."""
         params = work(job).params
-        err = self.health.classify(e, job.request_id, rows, params)
+        err = self.health.classify(e, job.request_id, rows, params, requests)
         if type(err) is not EngineFailure or self.health.fatal:
             return err
         engine = work(job).engine or self.engine
         self.health.call_started = time.monotonic()
         try:
             verdict = await loop.run_in_executor(
-                self._engine_thread, self.health.recheck, engine, e, job.request_id, params
+                self._engine_thread, self.health.recheck, engine, e, job.request_id, params, requests
             )
         finally:
             self.health.call_started = None
@@ -219,7 +220,8 @@ class EngineLoop:
             if run is not None:
                 await on_engine(run.close)
             if failure is not None:  # judged once the run is closed (the self-test may run)
-                lost = await self._judged(failure, batch[0], len(batch[0].rows), loop)
+                shared = len({id(j) for j in [*batch, *joining, *(m.job for m in members.values())]})
+                lost = await self._judged(failure, batch[0], len(batch[0].rows), loop, requests=shared)
             for job in [*batch, *joining, *(m.job for m in members.values())]:
                 if job.state == "running":
                     self.scheduler.fail(job, lost)
@@ -259,8 +261,11 @@ class EngineLoop:
                 continue
             error = next((seat.error for seat in m.seats if seat.error is not None), None)
             if error is not None:
-                if id(error) not in errors:
-                    errors[id(error)] = self.health.classify(error, job.request_id, len(job.rows), params)
+                if id(error) not in errors:  # judged without a self-test: the run goes on
+                    shared = len(members) + 1
+                    errors[id(error)] = self.health.classify(
+                        error, job.request_id, len(job.rows), params, shared
+                    )
                 self.scheduler.fail(job, errors[id(error)])
                 continue
             self.health.consecutive_failures = 0

@@ -122,7 +122,7 @@ def _bad_text(v: Any, at: str = "") -> str | None:
 
 
 # What may make a JSON body hold a value no field takes; only bodies with one are parsed twice.
-_ODD_JSON = re.compile(rb"\\u[dD][89a-fA-F]|NaN|Infinity|[eE][+-]?\d{3}")
+_ODD_JSON = re.compile(rb"\\u[dD][89a-fA-F]|NaN|Infinity|[eE][+-]?\d{3}|\d{300}")
 
 
 class _Constant(str):
@@ -130,9 +130,15 @@ class _Constant(str):
 
 
 def odd_json(raw: bytes) -> tuple[str, str] | None:
-    """(where, why) of the first value in a JSON body that no field may take: a lone surrogate
-    in a key or a value at any depth, NaN or Infinity, a number too large for a double. None if
-    there is none, or if the body is not JSON (the route's own parser answers that)."""
+    """(where, why) of the first value in a JSON body that no field may take: text that is not
+    UTF-8 (JSON between systems is UTF-8, RFC 8259; Python's parser would also read UTF-16 and
+    UTF-32, and surrogates encoded as bytes), a lone surrogate in a key or a value at any depth,
+    NaN or Infinity, a number too large for a double. None if there is none, or if the body is
+    not JSON (the route's own parser answers that)."""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return "", f"the body is not UTF-8 text (byte {e.start})"
     if not _ODD_JSON.search(raw):
         return None
     try:
