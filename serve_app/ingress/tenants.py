@@ -132,11 +132,11 @@ class Tenants:
         """Until the request's tenant has room for it (a job, before it takes a run slot)."""
         await self._room(request, True)
 
-    def check_fits(self, request: PreparedRequest) -> None:
-        """A 400 now for a request more than a minute of its tenant's rates holds: it could
-        never run (a job that would only fail later)."""
+    def check_fits(self, request: PreparedRequest, times: int = 1) -> None:
+        """A 400 now for a request (run `times` over) more than a minute of its tenant's rates
+        holds: it could never run, so never a 429 (nor a job that would only fail later)."""
         tenant = self.named(request.tenant, implicit=True)
-        need = _need(request)
+        need = _need(request, times)
         for name, bucket in tenant.buckets.items():
             if need[name] > bucket.per_minute:
                 raise InvalidRequest(
@@ -147,13 +147,10 @@ class Tenants:
                 )
 
     async def _room(self, request: PreparedRequest, wait: bool, times: int = 1) -> Tenant:
+        self.check_fits(request, times)
         tenant = self.named(request.tenant, implicit=True)
         need = _need(request, times)
         while (problem := self._problem(tenant, need)) is not None:
-            if problem.wait_s == math.inf:  # more than a minute's worth: never, so not a 429
-                raise InvalidRequest(
-                    f"quota: {problem.message}", param=problem.param, request_id=request.request_id
-                )
             if not wait:
                 tenant.rejected[problem.param] += 1
                 metrics.tenant_rejected(tenant.name, problem.param)
@@ -178,15 +175,10 @@ class Tenants:
             wait_s = bucket.shortfall_s(need[name])
             if wait_s > 0:
                 what = name.removesuffix("_per_minute").replace("_", "-")
-                over = (
-                    f" (this request needs {need[name]:g}, more than a minute's)"
-                    if wait_s == math.inf
-                    else ""
-                )
                 return _Refusal(
                     name,
-                    f"tenant {tenant.name!r} is past its {name} of {bucket.per_minute:g}{over}",
-                    60 if wait_s == math.inf else max(1, math.ceil(wait_s)),
+                    f"tenant {tenant.name!r} is past its {name} of {bucket.per_minute:g}",
+                    max(1, math.ceil(wait_s)),
                     {
                         f"x-ratelimit-limit-{what}": f"{bucket.per_minute:g}",
                         f"x-ratelimit-remaining-{what}": str(max(0, int(bucket.tokens))),
