@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 import re
 import tempfile
+import functools
 import threading
 import time
+from types import SimpleNamespace
 
 import torch
 
 from serve_app.engine import exported, rpc_methods
+from serve_app.engine.loading import find_denoiser
 
 OOM_MARKER = "[[inject-oom]]"
 FAIL_MARKER = "[[inject-failure]]"
@@ -79,6 +82,67 @@ class FaultInjection:
 
     def _row_call(self, row, params, step_hook, stand_in):  # a row's part of a joined call
         return super()._row_call(row, params, _slowed([row], step_hook), stand_in)
+
+
+class GpuShaped:
+    """Engine extension: the denoiser costs what a GPU's does, asleep. Each denoiser call sleeps
+    `step_ms + row_ms * rows` (rows of its batch: an image with classifier-free guidance is two)
+    and returns zeros, so a fuller call is nearly free, as on a GPU, and takes no CPU; the image
+    decoder costs nothing (grey images). The rest of the pipeline (text encoder, scheduler,
+    joining, adapters, the serving path) is the real one.
+
+    Use with `model.engine_extension: serve_app.testing:GpuShaped`; the shape comes from
+    `DIFFUSION_SERVE_GPU_SHAPE="step_ms,row_ms"` (default 20,0.75: the H200's sd15 batch-8 gain
+    of about 5.5x at 20 steps) or the `set_gpu_shape` RPC. It is what the batching policy is
+    measured on (benchmarks/bench_batching.py); serving code does not know it is a fake.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        torch.set_num_threads(1)  # what is left is small: idle OpenMP threads would spin on a CPU
+        step_ms, _, row_ms = os.environ.get("DIFFUSION_SERVE_GPU_SHAPE", "20,0.75").partition(",")
+        self.set_gpu_shape(float(step_ms), float(row_ms or 0))
+        self.denoiser_rows: list[int] = []  # rows of every denoiser call, in order
+        denoiser = find_denoiser(self.pipe)
+        denoiser.forward = functools.partial(_asleep, self, denoiser)
+        vae = getattr(self.pipe, "vae", None)
+        if vae is not None and getattr(self.pipe, "vae_scale_factor", None):
+            vae.decode = functools.partial(_decoded, vae.decode, self.pipe.vae_scale_factor)
+
+    @exported
+    def set_gpu_shape(self, step_ms: float, row_ms: float) -> dict:
+        """Each denoiser call sleeps `step_ms + row_ms * rows` from now on."""
+        if not (0 <= step_ms <= 10_000 and 0 <= row_ms <= 10_000):
+            raise ValueError("step_ms, row_ms: 0 to 10000")
+        self._gpu_shape = (step_ms / 1e3, row_ms / 1e3)
+        return {"step_ms": step_ms, "row_ms": row_ms}
+
+    @exported
+    def denoiser_calls(self, clear: bool = False) -> list[int]:
+        """The rows of every denoiser call since the last clear (tests count calls and rows)."""
+        out = list(self.denoiser_rows)
+        if clear:
+            self.denoiser_rows.clear()
+        return out
+
+
+def _asleep(engine, denoiser, sample, *args, return_dict: bool = True, **kwargs):
+    """A denoiser call that costs the GPU shape's time asleep and predicts zeros."""
+    rows = sample.shape[0]
+    engine.denoiser_rows.append(rows)
+    step_s, row_s = engine._gpu_shape
+    time.sleep(step_s + row_s * rows)
+    channels = getattr(denoiser.config, "out_channels", None) or sample.shape[1]
+    out = torch.zeros((rows, channels, *sample.shape[2:]), dtype=sample.dtype, device=sample.device)
+    return SimpleNamespace(sample=out) if return_dict else (out,)
+
+
+def _decoded(decode, factor: int, z, *args, return_dict: bool = True, **kwargs):
+    """The image decoder at no cost (grey images) for image latents; video latents are decoded."""
+    if z.dim() != 4:
+        return decode(z, *args, return_dict=return_dict, **kwargs)
+    out = torch.zeros((z.shape[0], 3, z.shape[2] * factor, z.shape[3] * factor), dtype=z.dtype, device=z.device)
+    return SimpleNamespace(sample=out) if return_dict else (out,)
 
 
 class NeverReady:
