@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import tempfile
-import functools
 import threading
 import time
 from types import SimpleNamespace
@@ -52,6 +52,15 @@ class FaultInjection:
         self._fatal_token = fault_token_path(token)
 
     def run(self, rows, params, step_hook=None):
+        self._inject(rows)
+        return super().run(rows, params, _slowed(rows, step_hook))
+
+    def _row_call(self, rows, params, step_hook, stand_in):  # a seat's part of a joined call
+        self._inject(rows)
+        return super()._row_call(rows, params, _slowed(rows, step_hook), stand_in)
+
+    def _inject(self, rows) -> None:
+        """Raise the fault the engine is armed with or a row's prompt asks for, if any."""
         if self._broken:
             raise RuntimeError("injected broken engine")
         if self._fatal_token is not None:
@@ -72,16 +81,12 @@ class FaultInjection:
                 raise RuntimeError("injected engine failure")
             if FATAL_MARKER in row.prompt:
                 raise RuntimeError(FATAL_ERROR)
-        return super().run(rows, params, _slowed(rows, step_hook))
 
     def self_test(self):
         if self._broken or self._fault_left:
             self._fault_left = False
             raise RuntimeError("injected engine failure (the self-test)")
         return super().self_test()
-
-    def _row_call(self, row, params, step_hook, stand_in):  # a row's part of a joined call
-        return super()._row_call(row, params, _slowed([row], step_hook), stand_in)
 
 
 class GpuShaped:
@@ -103,6 +108,7 @@ class GpuShaped:
         step_ms, _, row_ms = os.environ.get("DIFFUSION_SERVE_GPU_SHAPE", "20,0.75").partition(",")
         self.set_gpu_shape(float(step_ms), float(row_ms or 0))
         self.denoiser_rows: list[int] = []  # rows of every denoiser call, in order
+        self.denoiser_spans: list[tuple[float, float]] = []  # (start, end) of each, perf_counter
         denoiser = find_denoiser(self.pipe)
         denoiser.forward = functools.partial(_asleep, self, denoiser)
         vae = getattr(self.pipe, "vae", None)
@@ -123,7 +129,22 @@ class GpuShaped:
         out = list(self.denoiser_rows)
         if clear:
             self.denoiser_rows.clear()
+            self.denoiser_spans.clear()
         return out
+
+    @exported
+    def device_busy(self) -> dict:
+        """Since the last clear: denoiser calls, their mean rows, and the fraction of the time
+        from the first call's start to the last one's end that the "device" was busy."""
+        spans = self.denoiser_spans
+        if not spans:
+            return {"calls": 0, "mean_rows": 0.0, "busy": 0.0, "mean_gap_ms": 0.0}
+        busy = sum(b - a for a, b in spans)
+        whole = spans[-1][1] - spans[0][0]
+        gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:], strict=False)]
+        return {"calls": len(spans), "mean_rows": sum(self.denoiser_rows) / len(spans),
+                "busy": busy / whole if whole > 0 else 1.0,
+                "mean_gap_ms": 1e3 * sum(gaps) / len(gaps) if gaps else 0.0}  # fmt: skip
 
 
 def _asleep(engine, denoiser, sample, *args, return_dict: bool = True, **kwargs):
@@ -131,7 +152,9 @@ def _asleep(engine, denoiser, sample, *args, return_dict: bool = True, **kwargs)
     rows = sample.shape[0]
     engine.denoiser_rows.append(rows)
     step_s, row_s = engine._gpu_shape
+    start = time.perf_counter()
     time.sleep(step_s + row_s * rows)
+    engine.denoiser_spans.append((start, time.perf_counter()))
     channels = getattr(denoiser.config, "out_channels", None) or sample.shape[1]
     out = torch.zeros((rows, channels, *sample.shape[2:]), dtype=sample.dtype, device=sample.device)
     return SimpleNamespace(sample=out) if return_dict else (out,)
@@ -141,7 +164,9 @@ def _decoded(decode, factor: int, z, *args, return_dict: bool = True, **kwargs):
     """The image decoder at no cost (grey images) for image latents; video latents are decoded."""
     if z.dim() != 4:
         return decode(z, *args, return_dict=return_dict, **kwargs)
-    out = torch.zeros((z.shape[0], 3, z.shape[2] * factor, z.shape[3] * factor), dtype=z.dtype, device=z.device)
+    out = torch.zeros(
+        (z.shape[0], 3, z.shape[2] * factor, z.shape[3] * factor), dtype=z.dtype, device=z.device
+    )
     return SimpleNamespace(sample=out) if return_dict else (out,)
 
 

@@ -123,16 +123,22 @@ class BatchingConfig(_Strict):
             "this, a burst is gathered whole. 0: always wait the full batch_wait_ms."
         ),
     )
-    step_joining: bool = Field(
-        False,
+    step_joining: bool | None = Field(
+        None,
         description=(
             "Requests that arrive while a call runs join it at its next denoising step instead of "
-            "waiting for it to end: every request runs its own pipeline call, and the calls share "
-            "the denoiser at every step, rows at different steps included. Requests with a step "
-            "cache (acceleration), on a compiled or CPU-offloaded denoiser, or larger than "
-            "max_batch_images run in whole calls as before."
+            "waiting for it to end (continuous batching): the requests that join at one step run "
+            "one pipeline call of their own, and all the calls share the denoiser at every step, "
+            "rows at different steps included. Requests with a step cache (acceleration), on a "
+            "compiled or CPU-offloaded denoiser, of a pool's checkpoints or larger than "
+            "max_batch_images run in whole calls. null: on where the model runs on a GPU (a "
+            "fuller step costs little more there), whole calls on a CPU; true/false: anywhere."
         ),
     )
+
+    def joins_on(self, device_type: str) -> bool:
+        """Whether step joining is on for a model on a device of `device_type` ("cuda", "cpu")."""
+        return self.step_joining if self.step_joining is not None else device_type == "cuda"
 
 
 class IngressConfig(_Strict):

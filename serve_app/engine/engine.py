@@ -338,9 +338,11 @@ class DiffusionEngine:
         denoiser = find_denoiser(self._task_pipes[params.task])
         return JoinedRun(params, adapters, denoiser, self._row_call, self._apply_lora, restore)
 
-    def _row_call(self, row: Row, params: CallParams, step_hook: StepHook | None, stand_in) -> EngineOutput:
-        """One row's own pipeline call in a joined run, with `stand_in` as its denoiser."""
-        return self._runner.row_call(row, params, step_hook, stand_in)
+    def _row_call(
+        self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None, stand_in
+    ) -> EngineOutput:
+        """One seat's own pipeline call in a joined run, with `stand_in` as its denoiser."""
+        return self._runner.row_call(rows, params, step_hook, stand_in)
 
     def close(self) -> None:
         self._runner.close()

@@ -28,10 +28,14 @@ _UNBATCHED = frozenset({"img_ids", "txt_ids"})
 
 
 class Seat:
-    """One row in the batch: its thread, its pending denoiser call, and how it ended."""
+    """One pipeline call in the batch (a row, or the rows of requests that joined together):
+    its thread, its pending denoiser call, and how it ended."""
 
-    def __init__(self, batch: StepBatch, fn: Callable[[StandIn], Any], stop: Callable[[], BaseException]):
+    def __init__(
+        self, batch: StepBatch, fn: Callable[[StandIn], Any], stop: Callable[[], BaseException], rows: int = 1
+    ):
         self._batch = batch
+        self.rows = rows  # the rows its call runs (rows that joined together share a seat)
         self._fn = fn
         self._stop = stop
         self._go = threading.Semaphore(0)
@@ -100,12 +104,13 @@ class StepBatch:
 
     @property
     def active(self) -> int:
-        return sum(not s.done for s in self.seats)
+        """Rows of the seats still running."""
+        return sum(s.rows for s in self.seats if not s.done)
 
-    def add(self, fn: Callable[[StandIn], Any]) -> Seat:
-        """Start a row: `fn(stand_in)` runs its pipeline with `stand_in` as the denoiser.
-        Returns once the row waits for its first denoiser call (or has ended)."""
-        seat = Seat(self, fn, self._stop)
+    def add(self, fn: Callable[[StandIn], Any], rows: int = 1) -> Seat:
+        """Start a seat of `rows` rows: `fn(stand_in)` runs its pipeline with `stand_in` as the
+        denoiser. Returns once the seat waits for its first denoiser call (or has ended)."""
+        seat = Seat(self, fn, self._stop, rows)
         seat.thread.start()  # first: a thread that cannot start leaves no seat waited on
         self.seats.append(seat)
         self._resume(seat)

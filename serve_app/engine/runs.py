@@ -148,9 +148,12 @@ class Runner:
             finally:
                 self._state = None
 
-    def row_call(self, row: Row, params: CallParams, step_hook: StepHook | None, stand_in) -> EngineOutput:
-        """One row's own pipeline call in a joined run, with `stand_in` as its denoiser and a
-        scheduler of its own (the pipeline keeps a call's state on itself: a shallow copy each)."""
+    def row_call(
+        self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None, stand_in
+    ) -> EngineOutput:
+        """One seat's own pipeline call in a joined run (rows that joined together, one call),
+        with `stand_in` as its denoiser and a scheduler of its own (the pipeline keeps a call's
+        state on itself: a shallow copy each)."""
         st = _CallState(t0=time.perf_counter())
 
         def started() -> None:
@@ -160,8 +163,8 @@ class Runner:
         stand_in.on_call = started
         pipe = copy.copy(self.task_pipes[params.task])
         pipe.__dict__[self._denoiser_attr] = stand_in
-        pipe.__dict__["scheduler"] = copy.deepcopy(self._scheduler(params, [row]) or pipe.scheduler)
-        return self.call([row], params, step_hook, pipe, NoCache(), st)
+        pipe.__dict__["scheduler"] = copy.deepcopy(self._scheduler(params, rows) or pipe.scheduler)
+        return self.call(rows, params, step_hook, pipe, NoCache(), st)
 
     def _scheduler(self, params: CallParams, rows: Sequence[Row]):
         """The scheduler of the call's sampler, its noise seeded for `rows`; None: the pipeline's."""
@@ -353,13 +356,18 @@ class JoinedRun:
     def active(self) -> int:
         return self.batch.active
 
-    def add(self, row: Row, step_hook: StepHook | None = None, params: CallParams | None = None) -> Seat:
-        """Start `row`; its `Seat` holds its `EngineOutput` (or error) once it has ended. Its
-        own `params` may differ from the run's in what one row's call decides alone (steps,
-        guidance, strength, sampler, the outputs asked for); the rest must be the run's."""
+    def add(
+        self, rows: Row | Sequence[Row], step_hook: StepHook | None = None, params: CallParams | None = None
+    ) -> Seat:
+        """Start `rows` (one row, or rows that join together) as one pipeline call; its `Seat`
+        holds its `EngineOutput` (or error) once it has ended. Its own `params` may differ from
+        the run's in what one call decides alone (steps, guidance, strength, sampler, the
+        outputs asked for); the rest must be the run's. Rows that join at one step in one seat
+        cost one call's host work a step instead of one per row."""
         params = params or self.params
+        rows = [rows] if isinstance(rows, Row) else list(rows)
         self._apply_adapters(self.adapters)
-        return self.batch.add(lambda stand_in: self._row_call(row, params, step_hook, stand_in))
+        return self.batch.add(lambda stand_in: self._row_call(rows, params, step_hook, stand_in), len(rows))
 
     def step(self) -> list[Seat]:
         self._apply_adapters(self.adapters)  # in case something between steps changed them

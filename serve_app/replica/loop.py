@@ -13,9 +13,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from serve_app import metrics
 from serve_app.config import BatchingConfig
@@ -24,18 +26,36 @@ from serve_app.errors import EngineFailure, ServingError
 from serve_app.replica.adapters import AdapterResidency
 from serve_app.replica.health import Health
 from serve_app.replica.intake import work
-from serve_app.replica.results import joined_output, row_hooks, step_hook
+from serve_app.replica.results import step_hook
 from serve_app.replica.scheduler import Job, Scheduler
 
 
 @dataclasses.dataclass(eq=False)
 class _Member:
-    """A request in a joined call: its rows' seats and the most rows and requests it ran with."""
+    """A request in a joined call: the seat its rows run in (with the requests that joined the
+    run beside it), where its rows start there, and the most rows and requests it ran with."""
 
     job: Job
-    seats: list = dataclasses.field(default_factory=list)
+    seat: Any
+    start: int
     images: int = 0
     requests: int = 0
+
+
+@dataclasses.dataclass(eq=False)
+class _Joined:
+    """A joined run's state shared by the event loop and the engine thread: its requests by
+    id(job) (request ids are unique per owner only), and the inbox of requests handed over to
+    join at the next step. `closed`: the run takes nobody more; `stop`: end it now."""
+
+    batch: list[Job]
+    params: CallParams
+    adapters: tuple
+    members: dict[int, _Member] = dataclasses.field(default_factory=dict)
+    inbox: list[Job] = dataclasses.field(default_factory=list)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    closed: bool = False
+    stop: bool = False
 
 
 class EngineLoop:
@@ -66,7 +86,7 @@ class EngineLoop:
         """Run batches until cancelled; one call's failure fails its requests, not the loop."""
         loop = asyncio.get_running_loop()
         while True:
-            batch = await self.scheduler.next_batch()
+            batch = await self.scheduler.next_batch(self._joins)
             try:
                 if self._joins(batch):
                     await self._run_joined(batch, loop)
@@ -176,11 +196,13 @@ class EngineLoop:
     # ------------------------------------------------------------------ step-level joining
 
     def _joins(self, batch: list[Job]) -> bool:
-        """Whether `batch` runs joined: the setting is on, the engine can join its calls, and
-        its rows fit one call and share one adapter set (joiners must have the same)."""
+        """Whether `batch` runs joined: the setting is on (by default where the engine runs on a
+        GPU), the engine can join its calls, and its rows fit one call and share one adapter set
+        (joiners must have the same)."""
         rows = [r for j in batch for r in j.rows]
+        device = getattr(self.engine, "device", None)
         return (
-            self.batching.step_joining
+            self.batching.joins_on(getattr(device, "type", "cpu"))
             and work(batch[0]).engine is None  # a pool's checkpoints run whole calls
             and len(rows) <= self.batching.max_batch_images
             and all(r.adapters == rows[0].adapters for r in rows)
@@ -190,59 +212,100 @@ class EngineLoop:
     async def _run_joined(self, batch: list[Job], loop: asyncio.AbstractEventLoop) -> None:
         """Run `batch` as a joined call: between two denoising steps, queued requests of the
         same kind join it (up to `max_batch_images` rows), and each request is answered as soon
-        as its own rows are done."""
-        params, adapters = work(batch[0]).params, batch[0].rows[0].adapters
-        members: dict[int, _Member] = {}  # by id(job): request ids are unique per owner only
-        joining, run = batch, None
-        self.health.call_started = time.monotonic()
+        as its own rows are done.
 
+        The engine thread drives the steps back to back (`_drive`) and never waits for this
+        event loop: after each step it posts `_between_steps` here, which answers the requests
+        whose rows ended and hands queued joiners over through the run's inbox; they join at
+        the step after. A busy event loop (requests coming in, results going out) so delays
+        a joiner, never the device."""
+        params, adapters = work(batch[0]).params, batch[0].rows[0].adapters
+        joined = _Joined(batch, params, adapters)
+        self.health.call_started = time.monotonic()
         on_engine = functools.partial(loop.run_in_executor, self._engine_thread)
         # What requests still running at the end get: they lost their call (the loop stopped,
         # a fatal error) and their rows ended unfinished, or the call failed as a whole.
         lost: ServingError = EngineFailure("engine error: the call stopped before this request was done")
         failure: Exception | None = None
+        run = None
         try:
             run = await on_engine(self._open_joined, batch, params, adapters)
-            while True:
-                await on_engine(self._joined_step, run, batch, joining, members, loop)
-                joining = []
-                self.health.call_started = time.monotonic()
-                self._settle(members, params)
-                if not run.active or self.health.fatal:
-                    break
-                room = self.batching.max_batch_images - run.active
-                joining = self.scheduler.take_joiners(
-                    batch[0].join_key, room, lambda j: all(r.adapters == adapters for r in j.rows)
-                )
+            joined.inbox = list(batch)
+            await on_engine(self._drive, run, joined, loop)
+        except asyncio.CancelledError:
+            joined.stop = True
+            raise
         except Exception as e:  # the run could not start or go on (an adapter failed to load)
             failure = e
         finally:
+            with joined.lock:
+                joined.closed = True
+                left = list(joined.inbox)
             if run is not None:
                 await on_engine(run.close)
+            self._settle(joined.members, params)
+            everyone = [*batch, *left, *(m.job for m in joined.members.values())]
             if failure is not None:  # judged once the run is closed (the self-test may run)
-                shared = len({id(j) for j in [*batch, *joining, *(m.job for m in members.values())]})
+                shared = len({id(j) for j in everyone})
                 lost = await self._judged(failure, batch[0], len(batch[0].rows), loop, requests=shared)
-            for job in [*batch, *joining, *(m.job for m in members.values())]:
+            for job in everyone:
                 if job.state == "running":
                     self.scheduler.fail(job, lost)
+
+    def _drive(self, run, joined: _Joined, loop: asyncio.AbstractEventLoop) -> None:
+        """On the engine thread: step the run until no row is left and nobody is handed over."""
+        while True:
+            with joined.lock:
+                joining, joined.inbox = joined.inbox, []
+                if not joining and not run.active:
+                    joined.closed = True
+                    return
+            self._joined_step(run, joined, joining, loop)
+            self.health.call_started = time.monotonic()
+            loop.call_soon_threadsafe(self._between_steps, run, joined)
+            if self.health.fatal or joined.stop:
+                return
+
+    def _between_steps(self, run, joined: _Joined) -> None:
+        """On the event loop after a step: answer the requests that are done, and hand the
+        queued requests that can join over to the engine thread (none once the run ended)."""
+        self._settle(joined.members, joined.params)
+        with joined.lock:
+            if joined.closed:
+                return
+            pending = sum(len(j.rows) for j in joined.inbox)
+            room = self.batching.max_batch_images - run.active - pending
+            if room > 0:
+                fits = lambda j: all(r.adapters == joined.adapters for r in j.rows)  # noqa: E731
+                joined.inbox += self.scheduler.take_joiners(joined.batch[0].join_key, room, fits)
 
     def _open_joined(self, batch: list[Job], params: CallParams, adapters):
         self._hold_adapters(batch)
         return self.engine.open_joined(params, tuple(sorted((n, s) for n, s in adapters if s != 0)))
 
-    def _joined_step(self, run, batch: list[Job], joining: list[Job], members: dict, loop) -> None:
-        """On the engine thread: add the joining requests' rows, then run one step of all. The
-        run's adapters are held again first: an admin call between two steps may have evicted
-        or switched them (the run puts its own set back in force at every step)."""
-        self._hold_adapters(batch)
-        for job in joining:
-            m = members[id(job)] = _Member(job)
-            hooks = row_hooks(job, loop)
-            m.seats = [
-                run.add(row, hook, work(job).params) for row, hook in zip(job.rows, hooks, strict=True)
-            ]
+    def _joined_step(self, run, joined: _Joined, joining: list[Job], loop) -> None:
+        """On the engine thread: add the joining requests, then run one step of all. Requests
+        that join at the same step with the same call (`Job.key`) share one seat, one pipeline
+        call: the host work of a step grows with the seats, not the rows. The run's adapters
+        are held again first: an admin call between two steps may have evicted or switched
+        them (the run puts its own set back in force at every step)."""
+        self._hold_adapters(joined.batch)
+        cohorts: list[list[Job]] = []
+        for job in joining:  # keys are compared, not hashed (`extra` may hold lists)
+            same = next((c for c in cohorts if c[0].key == job.key), None)
+            if same is not None:
+                same.append(job)
+            else:
+                cohorts.append([job])
+        for jobs in cohorts:
+            seat = run.add([r for j in jobs for r in j.rows], step_hook(jobs, loop), work(jobs[0]).params)
+            start = 0
+            for job in jobs:
+                joined.members[id(job)] = _Member(job, seat, start)
+                start += len(job.rows)
         metrics.observe_batch(self.engine.model_name, run.active)
-        for m in members.values():
+        members = list(joined.members.values())
+        for m in members:
             m.images = max(m.images, run.active)
             m.requests = max(m.requests, len(members))
         run.step()
@@ -252,14 +315,14 @@ class EngineLoop:
         call fails every request in it with one error, counted once."""
         errors: dict[int, ServingError] = {}
         for key, m in list(members.items()):
-            if not all(seat.done for seat in m.seats):
+            if not m.seat.done:
                 continue
             del members[key]
             job = m.job
             self.scheduler.left(job)
             if job.state != "running":  # aborted during the call: its images are dropped
                 continue
-            error = next((seat.error for seat in m.seats if seat.error is not None), None)
+            error = m.seat.error
             if error is not None:
                 if id(error) not in errors:  # judged without a self-test: the run goes on
                     shared = len(members) + 1
@@ -269,7 +332,7 @@ class EngineLoop:
                 self.scheduler.fail(job, errors[id(error)])
                 continue
             self.health.consecutive_failures = 0
-            out = joined_output([seat.output for seat in m.seats])
+            out = m.seat.output.slice(m.start, m.start + len(job.rows))
             out.batch_images, out.batch_requests = m.images, m.requests
             self.scheduler.retire(job, "done")
             if not job.future.done():

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import time
 
-import torch
-
 from serve_app import metrics
 from serve_app.engine import EngineOutput
 from serve_app.engine.engine import latents_preview
@@ -52,43 +50,6 @@ def step_hook(batch: list[Job], loop: asyncio.AbstractEventLoop):
         return all(job.state != "running" for job in batch)
 
     return hook
-
-
-def row_hooks(job: Job, loop: asyncio.AbstractEventLoop) -> list:
-    """Step hooks for a job whose rows run as calls of their own (a joined call), one per row:
-    progress and previews once every row has done a step; each row stops once the job is
-    no longer running."""
-    inner = step_hook([job], loop)
-    n, seen = len(job.rows), {}
-
-    def for_row(k: int):
-        def hook(i: int, total: int, latents) -> bool:
-            got = seen.setdefault(i, [None] * n)
-            got[k] = latents
-            if all(x is not None for x in got):
-                del seen[i]
-                inner(i, total, lambda: torch.cat([x() if callable(x) else x for x in got]))
-            return job.state != "running"
-
-        return hook
-
-    return [for_row(k) for k in range(n)]
-
-
-def joined_output(parts: list[EngineOutput]) -> EngineOutput:
-    """One job's output from its rows' calls, which ran side by side (times: the slowest row)."""
-    traj = [p.trajectory_latents for p in parts]
-    return EngineOutput(
-        images=[im for p in parts for im in p.images],
-        timings_ms={k: max(p.timings_ms[k] for p in parts) for k in parts[0].timings_ms},
-        peak_memory_mb=max(p.peak_memory_mb for p in parts),
-        memory_kind=parts[0].memory_kind,
-        latents=torch.cat([p.latents for p in parts]) if parts[0].latents is not None else None,
-        trajectory_latents=[torch.cat(s) for s in zip(*traj, strict=True)] if traj[0] is not None else None,
-        trajectory_timesteps=parts[0].trajectory_timesteps,
-        steps_run=max(p.steps_run for p in parts),
-        interrupted=any(p.interrupted for p in parts),
-    )
 
 
 def build_result(

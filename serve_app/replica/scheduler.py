@@ -93,6 +93,10 @@ class Scheduler:
         self.running: list[Job] = []
         self.finished: collections.OrderedDict[tuple[str, str], FinishedRecord] = collections.OrderedDict()
         self._last_call: _LastCall | None = None
+        # Whether each of the last arrivals came within `batch_gap_ms` of the one before: none
+        # did, and a request is alone (a lone client), so it waits for no company.
+        self._clustered: collections.deque[bool] = collections.deque(maxlen=4)
+        self._last_arrival = float("-inf")
         self._wakeup = asyncio.Event()
         self._on_retire = on_retire
         # Start-time fair queueing: a job's start tag is the later of the virtual time (the tag
@@ -121,6 +125,8 @@ class Scheduler:
             k -= 1  # behind every job of an earlier or equal tag: arrival order among equals
         self.queue.insert(k, job)
         self.jobs[job.ident] = job
+        self._clustered.append(job.enqueued - self._last_arrival <= self.batching.batch_gap_ms / 1e3)
+        self._last_arrival = job.enqueued
         self._wakeup.set()
 
     def queue_length(self) -> int:
@@ -150,9 +156,14 @@ class Scheduler:
         """Whether `job`'s adapters can join a call holding `adapters` (names)."""
         return len(adapters.union(job.adapters)) <= self.max_adapters
 
-    def fill_deadline(self, batch: list[Job], images: int) -> float:
+    def fill_deadline(self, batch: list[Job], images: int, joins: bool = False) -> float:
         """When a call led by `batch[0]` stops waiting for company: `batch_wait_ms` after the head
-        arrived, or earlier, `batch_gap_ms` after the newest arrival (the burst is over).
+        arrived, or earlier, `batch_gap_ms` after the newest arrival (the burst is over), or at
+        once when none of the last arrivals came within that gap of another (a lone client's
+        requests: company is not coming).
+
+        A call that runs joined (`joins`) waits for a burst that is arriving (the gap) and for
+        nothing else: who comes later joins it at its next step.
 
         Callers of the last call coming back are waited for past quiet gaps: when the head is
         of the last call's kind and came within the window after that call ended, and the
@@ -164,6 +175,11 @@ class Scheduler:
         """
         head = batch[0]
         window = self.batching.batch_wait_ms / 1e3
+        gap = self.batching.batch_gap_ms / 1e3
+        newest = max(j.enqueued for j in self.queue)  # the queue is in fair order, not arrival
+        alone = not any(self._clustered)
+        if joins:
+            return head.enqueued if alone or gap == 0 else min(head.enqueued + window, newest + gap)
         last = self._last_call
         if (
             last is not None
@@ -172,15 +188,14 @@ class Scheduler:
             and images < last.callers
         ):
             return max(head.enqueued, last.ended) + window
-        until = head.enqueued + window
-        if self.batching.batch_gap_ms > 0:
-            newest = max(j.enqueued for j in self.queue)  # the queue is in fair order, not arrival
-            until = min(until, newest + self.batching.batch_gap_ms / 1e3)
-        return until
+        if gap > 0:
+            return head.enqueued if alone else min(head.enqueued + window, newest + gap)
+        return head.enqueued + window
 
-    async def next_batch(self) -> list[Job]:
+    async def next_batch(self, joins: Callable[[list[Job]], bool] | None = None) -> list[Job]:
         """Wait for work, gather a batch, wait for it to fill (never past the window), and
-        mark it running."""
+        mark it running. A batch that `joins` says will run joined waits only for a burst
+        that is arriving: who comes later joins it at its next step."""
         while True:
             if not self.queue:
                 self._wakeup.clear()
@@ -188,7 +203,7 @@ class Scheduler:
                 continue
             batch = self.gather()
             while (images := sum(len(j.rows) for j in batch)) < self.batching.max_batch_images:
-                wait_until = self.fill_deadline(batch, images)
+                wait_until = self.fill_deadline(batch, images, joins is not None and joins(batch))
                 if time.perf_counter() >= wait_until:
                     break
                 self._wakeup.clear()

@@ -1,0 +1,125 @@
+"""The batching policy on a GPU-shaped engine (issue 53): counted in calls and rows, not timed.
+
+The app runs the embedded model with `serve_app.testing:GpuShaped` (each denoiser call sleeps
+`step_ms + row_ms * rows`, as a GPU's costs little more for a fuller call) with step-level
+joining on, as it is by default on a GPU: a burst sent over HTTP shares one call, a lone
+request starts at once, and the engine thread steps a joined run without waiting for the event
+loop. benchmarks/bench_batching.py measures the same policy in ratios.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from serve_app.config import BatchingConfig
+from serve_app.replica import DiffusionReplica
+from serve_app.replica.scheduler import Job, Scheduler
+from serve_app.schemas import GenerationRequest, PreparedRequest
+from tests.conftest import deployed
+
+SHAPED = {"engine_extension": "serve_app.testing:GpuShaped", "default_steps": 12, "warmup_steps": 1}
+
+
+@pytest.fixture(scope="module")
+def shaped(ray_cluster):
+    # A lone request that waited for company would wait the whole 3 s window (no early start).
+    # Step joining as on a GPU, where it is the default (the engine runs on the CPU here).
+    batching = {"max_batch_images": 8, "batch_wait_ms": 3000, "batch_gap_ms": 0, "step_joining": True}
+    with deployed("gpu-shaped", model=SHAPED, batching=batching) as prefix:
+        with httpx.Client(base_url=f"{ray_cluster}{prefix}", timeout=120) as c:
+            assert c.post("/v1/rpc", json={"method": "set_gpu_shape", "args": [15, 1]}).status_code == 200
+            yield c
+
+
+def denoiser_calls(c: httpx.Client) -> list[int]:
+    out = c.post("/v1/rpc", json={"method": "denoiser_calls", "kwargs": {"clear": True}}).json()
+    return [n for r in out for n in r["result"]]
+
+
+def test_a_burst_over_http_lands_in_one_call(shaped):
+    denoiser_calls(shaped)
+
+    async def burst() -> list[dict]:
+        async with httpx.AsyncClient(base_url=shaped.base_url, timeout=120) as c:
+            rs = await asyncio.gather(
+                *(
+                    c.post("/v1/images/generations", json={"prompt": f"a boat {k}", "seed": k})
+                    for k in range(8)
+                )
+            )
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+        return [r.json()["metrics"] for r in rs]
+
+    metrics = asyncio.run(burst())
+    assert {(m["batch_requests"], m["batch_images"]) for m in metrics} == {(8, 8)}
+    rows = denoiser_calls(shaped)
+    # One joined call: every denoiser call of the burst is one call of the run (the rows of 8
+    # images with guidance at its fullest), never two calls side by side.
+    assert max(rows) == 16
+    assert sum(rows) == 8 * 2 * 12
+
+
+def test_a_lone_request_does_not_wait_for_company(shaped):
+    r = shaped.post("/v1/images/generations", json={"prompt": "a lone boat"})
+    assert r.status_code == 200
+    m = r.json()["metrics"]
+    assert m["batch_requests"] == 1
+    assert m["queue_ms"] < 1500  # the window is 3000 ms: it did not wait for it
+    assert denoiser_calls(shaped)[-12:] == [2] * 12
+
+
+def test_step_joining_is_on_by_default_on_a_gpu_and_off_on_a_cpu():
+    assert BatchingConfig().joins_on("cuda") and not BatchingConfig().joins_on("cpu")
+    assert BatchingConfig(step_joining=True).joins_on("cpu")
+    assert not BatchingConfig(step_joining=False).joins_on("cuda")
+
+
+def test_a_joined_run_starts_at_once_and_a_whole_call_waits_its_window():
+    loop = asyncio.new_event_loop()
+    s = Scheduler(BatchingConfig(max_batch_images=4, batch_wait_ms=5000, batch_gap_ms=0))
+    s.submit(Job("a", [object()], "k", 4, loop.create_future()))
+    batch = loop.run_until_complete(asyncio.wait_for(s.next_batch(joins=lambda b: True), 2))
+    assert [j.request_id for j in batch] == ["a"]
+    s.call_ended(batch)
+    s.submit(Job("b", [object()], "k", 4, loop.create_future()))
+    with pytest.raises(TimeoutError):  # whole calls wait for company up to the window
+        loop.run_until_complete(asyncio.wait_for(s.next_batch(joins=lambda b: False), 0.5))
+    loop.close()
+
+
+def test_the_engine_thread_steps_a_joined_run_while_the_event_loop_is_busy():
+    # The replica's event loop held for half a second (a slow result to encode, say) must not
+    # stop the device: the engine thread steps the joined run on, and the loop's work (answers,
+    # joiners) waits instead. Counted in denoiser calls made while the loop was held.
+    model = {"source": "builtin:tiny-sd", "device": "cpu", "default_height": 32, "default_width": 32,
+             "warmup": False, "engine_extension": "serve_app.testing:GpuShaped"}  # fmt: skip
+    r = DiffusionReplica(model, {"max_batch_images": 4, "step_joining": True})
+    r.engine.set_gpu_shape(10, 0)
+    loop = asyncio.new_event_loop()
+    request = PreparedRequest.from_request(
+        GenerationRequest(prompt="a boat", request_id="held"), request_id="held", seed=1, height=32,
+        width=32, steps=80, guidance_scale=7.5,
+    )  # fmt: skip
+
+    async def go() -> tuple[int, int]:
+        task = asyncio.ensure_future(r.generate(request))
+        while not r.engine.denoiser_rows:
+            await asyncio.sleep(0.005)
+        before = len(r.engine.denoiser_rows)
+        time.sleep(0.5)  # the event loop is held: nothing of the replica's runs on it
+        during = len(r.engine.denoiser_rows) - before
+        out = await task
+        return during, out.metrics.steps
+
+    try:
+        during, steps = loop.run_until_complete(go())
+    finally:
+        r._loop_task.cancel()
+        loop.run_until_complete(asyncio.gather(r._loop_task, return_exceptions=True))
+        loop.close()
+    assert steps == 80
+    assert during >= 15, during  # about 40 at 10 ms a step; a step per loop turn made 1
