@@ -303,6 +303,9 @@ def main() -> None:
         help="default: 150 on cpu (as serve_config.yaml), else batching's default of 50",
     )
     ap.add_argument("--batch-gap-ms", type=float, default=10.0)
+    ap.add_argument(
+        "--step-joining", choices=["on", "off"], help="default: batching's (on on a GPU, off on a CPU)"
+    )
     ap.add_argument("--max-batch", type=int, default=16, help="batching.max_batch_images")
     ap.add_argument("--path", choices=["http", "handle"], nargs="+", default=["http", "handle"])
     ap.add_argument(
@@ -336,6 +339,8 @@ def main() -> None:
         },
         "ingress": {"num_cpus": 0},
     }
+    if a.step_joining:
+        args["batching"]["step_joining"] = a.step_joining == "on"
     if a.direct_ingress:  # read by Ray's processes, so set before they start
         os.environ["RAY_SERVE_ENABLE_DIRECT_INGRESS"] = "1"
     handle = start_app(args, a.device, port)  # the handle; HTTP is served on `port` too

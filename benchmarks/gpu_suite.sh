@@ -3,7 +3,8 @@
 # cannot eat the rest. On an H200 the throughput part alone took 230 s, and tenants and accel ran
 # past 90 s and 150 s. The limits add up to about 25 minutes, more than a 10-minute device call
 # or a 15-minute lease: pick parts with ONLY=. Not yet measured on a GPU (2026-12-04), in order:
-# ONLY="tenants latency abort lora" (420 s at most), then ONLY="gap models accel" (620 s).
+# ONLY="throughput whole" (460 s: continuous batching against whole calls, issue 53), then
+# ONLY="tenants latency abort lora" (420 s at most), then ONLY="models accel" (420 s).
 #
 #   bash benchmarks/gpu_suite.sh [OUTDIR]          # default OUTDIR: $OUT, else benchmarks/results/gpu
 #
@@ -39,11 +40,11 @@ run() {  # run NAME LIMIT_S SCRIPT ARGS...: its output to NAME.log, its tail her
 
 run throughput 260 bench_throughput.py "${M[@]}" --sizes "$size" --steps "$steps" --clients 1 8 16 \
     --rounds 2 --requests-per-client 3 --raw-seconds 8 --max-batch 16 --out "$out/throughput"
-# The same clients over HTTP with batch_gap_ms 0 (every call waits its whole batch_wait_ms): on
-# the H200 HTTP calls gathered 6.8 images of 8 against the handle's 8.0 at the 10 ms default gap.
-# Read its 8- and 16-client rows: its lone request waits the whole window, by design.
-run gap 200 bench_throughput.py "${M[@]}" --sizes "$size" --steps "$steps" --clients 8 16 --path http \
-    --rounds 2 --requests-per-client 3 --raw-seconds 8 --max-batch 16 --batch-gap-ms 0 --out "$out/gap"
+# The same clients in whole calls (step joining off; the part above runs a GPU's default,
+# continuous batching): on the H200 (2026-12-04, whole calls then) 16 HTTP clients made 0.64x
+# raw batch 16. Compare the two parts' 16-client rows.
+run whole 200 bench_throughput.py "${M[@]}" --sizes "$size" --steps "$steps" --clients 1 8 16 \
+    --rounds 2 --requests-per-client 3 --raw-seconds 8 --max-batch 16 --step-joining off --out "$out/whole"
 run latency 90 bench_latency.py "${M[@]}" --size "$size" --steps "$steps" --iters 8 --out "$out/latency.json"
 run abort 60 bench_abort.py "${M[@]}" --size "$size" --steps 50 --trials 3 --out "$out/abort.json"
 run lora 90 bench_lora.py "${M[@]}" --size "$size" --steps "$steps" --clients 8 --per-client 3 \

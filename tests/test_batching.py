@@ -63,6 +63,31 @@ def test_a_burst_over_http_lands_in_one_call(shaped):
     assert sum(rows) == 8 * 2 * 12
 
 
+def test_a_flood_never_makes_a_step_larger_than_max_batch_images(shaped):
+    # 24 requests at once on max_batch_images 8: they join as rows leave, never past 8 images
+    # (16 denoiser rows with guidance) in one step, however the hand-over races the steps.
+    denoiser_calls(shaped)
+
+    async def flood() -> list[dict]:
+        async with httpx.AsyncClient(base_url=shaped.base_url, timeout=120) as c:
+            rs = await asyncio.gather(
+                *(
+                    c.post(
+                        "/v1/images/generations",
+                        json={"prompt": f"a gull {k}", "seed": k, "num_inference_steps": 4 + k % 5},
+                    )  # fmt: skip
+                    for k in range(24)
+                )
+            )
+        assert all(r.status_code == 200 for r in rs), [r.text for r in rs]
+        return [r.json()["metrics"] for r in rs]
+
+    metrics = asyncio.run(flood())
+    assert max(m["batch_images"] for m in metrics) == 8
+    rows = denoiser_calls(shaped)
+    assert max(rows) == 16 and sum(rows) == 2 * sum(4 + k % 5 for k in range(24))
+
+
 def test_a_lone_request_does_not_wait_for_company(shaped):
     r = shaped.post("/v1/images/generations", json={"prompt": "a lone boat"})
     assert r.status_code == 200

@@ -56,6 +56,9 @@ class _Joined:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     closed: bool = False
     stop: bool = False
+    # Rows of the requests let in and not yet answered, counted on the event loop: what the
+    # run holds or will hold at its next step (the engine thread's own count lags behind).
+    admitted: int = 0
 
 
 class EngineLoop:
@@ -231,6 +234,7 @@ class EngineLoop:
         try:
             run = await on_engine(self._open_joined, batch, params, adapters)
             joined.inbox = list(batch)
+            joined.admitted = sum(len(j.rows) for j in batch)
             await on_engine(self._drive, run, joined, loop)
         except asyncio.CancelledError:
             joined.stop = True
@@ -243,7 +247,7 @@ class EngineLoop:
                 left = list(joined.inbox)
             if run is not None:
                 await on_engine(run.close)
-            self._settle(joined.members, params)
+            self._settle(joined)
             everyone = [*batch, *left, *(m.job for m in joined.members.values())]
             if failure is not None:  # judged once the run is closed (the self-test may run)
                 shared = len({id(j) for j in everyone})
@@ -269,15 +273,16 @@ class EngineLoop:
     def _between_steps(self, run, joined: _Joined) -> None:
         """On the event loop after a step: answer the requests that are done, and hand the
         queued requests that can join over to the engine thread (none once the run ended)."""
-        self._settle(joined.members, joined.params)
+        self._settle(joined)
         with joined.lock:
             if joined.closed:
                 return
-            pending = sum(len(j.rows) for j in joined.inbox)
-            room = self.batching.max_batch_images - run.active - pending
+            room = self.batching.max_batch_images - joined.admitted
             if room > 0:
                 fits = lambda j: all(r.adapters == joined.adapters for r in j.rows)  # noqa: E731
-                joined.inbox += self.scheduler.take_joiners(joined.batch[0].join_key, room, fits)
+                taken = self.scheduler.take_joiners(joined.batch[0].join_key, room, fits)
+                joined.inbox += taken
+                joined.admitted += sum(len(j.rows) for j in taken)
 
     def _open_joined(self, batch: list[Job], params: CallParams, adapters):
         self._hold_adapters(batch)
@@ -310,15 +315,17 @@ class EngineLoop:
             m.requests = max(m.requests, len(members))
         run.step()
 
-    def _settle(self, members: dict[int, _Member], params: CallParams) -> None:
+    def _settle(self, joined: _Joined) -> None:
         """Answer each request of a joined call whose rows have all ended. One failed denoiser
         call fails every request in it with one error, counted once."""
+        members, params = joined.members, joined.params
         errors: dict[int, ServingError] = {}
         for key, m in list(members.items()):
             if not m.seat.done:
                 continue
             del members[key]
             job = m.job
+            joined.admitted -= len(job.rows)
             self.scheduler.left(job)
             if job.state != "running":  # aborted during the call: its images are dropped
                 continue
