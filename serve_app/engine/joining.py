@@ -1,16 +1,18 @@
 """Step-level joining: rows that start at different times share the denoiser at every step.
 
-Each row runs its own, unchanged pipeline call (its own scheduler, timesteps, generator, text
-encoding and decode) on a thread of its own. What the row's pipeline takes for its denoiser is
-a stand-in: a call to it hands the inputs over and waits. Once every row is waiting, the batch
-runs the real denoiser once over the rows' inputs put together (rows at different timesteps
-included: timesteps become per-row) and gives each row its part of the output. A new row joins
-between two steps: its thread runs up to its first denoiser call and is in the next batched
-call. A row leaves as soon as its own last step and decode are done.
+Each seat (the rows that joined at one step) runs its own, unchanged pipeline call (its own
+scheduler, timesteps, generators, text encoding and decode) on a thread of its own. What the
+seat's pipeline takes for its denoiser is a stand-in: a call to it hands the inputs over and
+waits. Once every seat is waiting, the batch runs the real denoiser once over the seats' inputs
+put together (rows at different timesteps included: timesteps become per-row) and gives each
+seat its part of the output. A new seat joins between two steps: its thread runs up to its
+first denoiser call and is in the next batched call. A seat leaves as soon as its own last step
+and decode are done.
 
-Only one thread runs at a time: the batch resumes the rows one after another and waits for
+Only one thread runs at a time: the batch resumes the seats one after another and waits for
 each to reach its next denoiser call (or its end), so torch never runs on two threads at once
-and the rows' steps stay in a fixed order. Nothing here knows a pipeline family: any denoiser
+and the seats' steps stay in a fixed order (resuming them all at once was measured 2.3x slower:
+they queue on the GIL). Nothing here knows a pipeline family: any denoiser
 whose output for a row depends only on that row's inputs can be joined this way.
 """
 
