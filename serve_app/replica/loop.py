@@ -266,11 +266,11 @@ class EngineLoop:
                     return
             self._joined_step(run, joined, joining, loop)
             self.health.call_started = time.monotonic()
-            loop.call_soon_threadsafe(self._between_steps, run, joined)
+            loop.call_soon_threadsafe(self._between_steps, joined)
             if self.health.fatal or joined.stop:
                 return
 
-    def _between_steps(self, run, joined: _Joined) -> None:
+    def _between_steps(self, joined: _Joined) -> None:
         """On the event loop after a step: answer the requests that are done, and hand the
         queued requests that can join over to the engine thread (none once the run ended)."""
         self._settle(joined)
