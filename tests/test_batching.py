@@ -148,3 +148,30 @@ def test_the_engine_thread_steps_a_joined_run_while_the_event_loop_is_busy():
         loop.close()
     assert steps == 80
     assert during >= 15, during  # about 40 at 10 ms a step; a step per loop turn made 1
+
+
+def test_injected_faults_reach_joined_calls_too():
+    # FaultInjection's markers fail a joined seat as they fail a whole call: a GPU deployment,
+    # which joins by default, can be tested for its faults the same way.
+    from serve_app.errors import OutOfMemory
+
+    model = {"source": "builtin:tiny-sd", "device": "cpu", "default_height": 32, "default_width": 32,
+             "warmup": False, "engine_extension": "serve_app.testing:FaultInjection"}  # fmt: skip
+    r = DiffusionReplica(model, {"max_batch_images": 4, "step_joining": True})
+    loop = asyncio.new_event_loop()
+
+    def request(prompt: str, rid: str) -> PreparedRequest:
+        return PreparedRequest.from_request(
+            GenerationRequest(prompt=prompt, request_id=rid), request_id=rid, seed=1, height=32, width=32,
+            steps=2, guidance_scale=7.5,
+        )  # fmt: skip
+
+    try:
+        with pytest.raises(OutOfMemory):
+            loop.run_until_complete(r.generate(request("[[inject-oom]] a boat", "oom")))
+        out = loop.run_until_complete(r.generate(request("a boat", "fine")))
+        assert out.metrics.steps == 2 and r.stats().healthy
+    finally:
+        r._loop_task.cancel()
+        loop.run_until_complete(asyncio.gather(r._loop_task, return_exceptions=True))
+        loop.close()
