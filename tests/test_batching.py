@@ -10,6 +10,7 @@ loop. benchmarks/bench_batching.py measures the same policy in ratios.
 from __future__ import annotations
 
 import asyncio
+import collections
 import time
 
 import httpx
@@ -175,3 +176,68 @@ def test_injected_faults_reach_joined_calls_too():
         r._loop_task.cancel()
         loop.run_until_complete(asyncio.gather(r._loop_task, return_exceptions=True))
         loop.close()
+
+
+def test_a_joined_run_keeps_a_row_for_another_active_tenant():
+    # Tenant a floods a replica of max_batch_images 4 with 8 long requests while tenant b is
+    # active (it sent a request a moment ago): a's requests hold at most 3 rows of the run, so
+    # b's next short request joins at the next step and is done before any of a's, instead of
+    # waiting for a's first 4 to leave together. Counted in rows and completions, not timed.
+    model = {"source": "builtin:tiny-sd", "device": "cpu", "default_height": 32, "default_width": 32,
+             "warmup": False, "engine_extension": "serve_app.testing:GpuShaped"}  # fmt: skip
+    r = DiffusionReplica(model, {"max_batch_images": 4, "step_joining": True})
+    r.engine.set_gpu_shape(5, 0)
+    loop = asyncio.new_event_loop()
+
+    def request(tenant: str, rid: str, steps: int) -> PreparedRequest:
+        return PreparedRequest.from_request(
+            GenerationRequest(prompt=f"a boat {rid}", request_id=rid), request_id=rid, seed=1, height=32,
+            width=32, steps=steps, guidance_scale=7.5, tenant=tenant,
+        )  # fmt: skip
+
+    async def go() -> tuple[int, list[int]]:
+        await r.generate(request("b", "b-first", 1))
+        flood = [asyncio.ensure_future(r.generate(request("a", f"a{k}", 30))) for k in range(8)]
+        while len(r.engine.denoiser_rows) < 3:
+            await asyncio.sleep(0.005)
+        rows_before_b = list(r.engine.denoiser_rows)
+        await r.generate(request("b", "b-second", 4))
+        a_done = sum(f.done() for f in flood)
+        await asyncio.gather(*flood)
+        return a_done, rows_before_b
+
+    try:
+        a_done, rows_before_b = loop.run_until_complete(go())
+    finally:
+        r._loop_task.cancel()
+        loop.run_until_complete(asyncio.gather(r._loop_task, return_exceptions=True))
+        loop.close()
+    assert max(rows_before_b[1:]) == 6  # a's 3 images with guidance, one image's rows kept
+    assert a_done == 0
+
+
+def test_the_row_kept_for_others_only_while_another_tenant_is_active():
+    loop = asyncio.new_event_loop()
+
+    def job(rid: str, tenant: str) -> Job:
+        return Job(rid, [object()], "k", 4, loop.create_future(), join_key="k", tenant=tenant)
+
+    for kept, other, share in ((1, False, 4), (1, True, 3), (0, True, 4), (9, True, 1)):
+        s = Scheduler(BatchingConfig(max_batch_images=4, rows_kept_for_others=kept))
+        if other:
+            s.submit(job("b0", "b"))
+            s.queue.clear()
+        for k in range(6):
+            s.submit(job(f"a{k}", "a"))
+        assert s.share("a") == share
+        assert len(s.gather(shared=True)) == share
+        assert len(s.gather()) == 4  # a whole call is not held back: the next one is b's in fair order
+    # A queued job of the tenant at its share is passed over; the other tenant's is taken.
+    s = Scheduler(BatchingConfig(max_batch_images=4))
+    for k in range(3):
+        s.submit(job(f"a{k}", "a"))
+    s.submit(job("b1", "b"))
+    held = collections.Counter({"a": 3})
+    taken = s.take_joiners("k", room=1, fits=lambda j: True, held=held)
+    assert [j.request_id for j in taken] == ["b1"] and held == {"a": 3, "b": 1}
+    loop.close()

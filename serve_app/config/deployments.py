@@ -136,6 +136,18 @@ class BatchingConfig(_Strict):
         ),
     )
 
+    rows_kept_for_others: int = Field(
+        1,
+        ge=0,
+        description=(
+            "With step joining and tenants: rows of a running call that one tenant may not take "
+            "while another tenant has a request queued or running, or sent one in the last "
+            "10 seconds, so that tenant's next request joins at the next step instead of waiting "
+            "for the call's rows to free up. 0: a tenant may fill the call. Never more than "
+            "max_batch_images - 1."
+        ),
+    )
+
     def joins_on(self, device_type: str) -> bool:
         """Whether step joining is on for a model on a device of `device_type` ("cuda", "cpu")."""
         return self.step_joining if self.step_joining is not None else device_type == "cuda"

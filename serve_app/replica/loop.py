@@ -11,6 +11,7 @@ error the replica leaves, or after failures in a row it runs its self-test.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import functools
 import threading
@@ -56,9 +57,9 @@ class _Joined:
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     closed: bool = False
     stop: bool = False
-    # Rows of the requests let in and not yet answered, counted on the event loop: what the
-    # run holds or will hold at its next step (the engine thread's own count lags behind).
-    admitted: int = 0
+    # Rows of the requests let in and not yet answered, by tenant, counted on the event loop:
+    # what the run holds or will hold at its next step (the engine thread's count lags behind).
+    admitted: collections.Counter = dataclasses.field(default_factory=collections.Counter)
 
 
 class EngineLoop:
@@ -234,7 +235,8 @@ class EngineLoop:
         try:
             run = await on_engine(self._open_joined, batch, params, adapters)
             joined.inbox = list(batch)
-            joined.admitted = sum(len(j.rows) for j in batch)
+            for job in batch:
+                joined.admitted[job.tenant] += len(job.rows)
             await on_engine(self._drive, run, joined, loop)
         except asyncio.CancelledError:
             joined.stop = True
@@ -277,12 +279,11 @@ class EngineLoop:
         with joined.lock:
             if joined.closed:
                 return
-            room = self.batching.max_batch_images - joined.admitted
+            room = self.batching.max_batch_images - joined.admitted.total()
             if room > 0:
                 fits = lambda j: all(r.adapters == joined.adapters for r in j.rows)  # noqa: E731
-                taken = self.scheduler.take_joiners(joined.batch[0].join_key, room, fits)
-                joined.inbox += taken
-                joined.admitted += sum(len(j.rows) for j in taken)
+                key = joined.batch[0].join_key
+                joined.inbox += self.scheduler.take_joiners(key, room, fits, joined.admitted)
 
     def _open_joined(self, batch: list[Job], params: CallParams, adapters):
         self._hold_adapters(batch)
@@ -325,7 +326,7 @@ class EngineLoop:
                 continue
             del members[key]
             job = m.job
-            joined.admitted -= len(job.rows)
+            joined.admitted[job.tenant] -= len(job.rows)
             self.scheduler.left(job)
             if job.state != "running":  # aborted during the call: its images are dropped
                 continue

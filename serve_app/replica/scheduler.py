@@ -21,6 +21,7 @@ from serve_app.errors import Aborted, InvalidRequest, ServingError
 
 State = Literal["queued", "running", "done", "aborted", "failed"]
 FINISHED_KEPT = 2048  # finished requests remembered for GET /v1/requests/{id}
+ACTIVE_S = 10.0  # a tenant that sent a request this recently is active (rows are kept for it)
 
 
 @dataclass(eq=False)
@@ -97,6 +98,7 @@ class Scheduler:
         # did, and a request is alone (a lone client), so it waits for no company.
         self._clustered: collections.deque[bool] = collections.deque(maxlen=4)
         self._last_arrival = float("-inf")
+        self._seen: dict[str, float] = {}  # each tenant's last request, when it came
         self._wakeup = asyncio.Event()
         self._on_retire = on_retire
         # Start-time fair queueing: a job's start tag is the later of the virtual time (the tag
@@ -127,14 +129,16 @@ class Scheduler:
         self.jobs[job.ident] = job
         self._clustered.append(job.enqueued - self._last_arrival <= self.batching.batch_gap_ms / 1e3)
         self._last_arrival = job.enqueued
+        self._seen[job.tenant] = job.enqueued
         self._wakeup.set()
 
     def queue_length(self) -> int:
         """Queued plus running images: the load figure for routing and autoscaling."""
         return sum(len(j.rows) for j in self.queue) + sum(len(j.rows) for j in self.running)
 
-    def gather(self) -> list[Job]:
-        """The oldest queued job and the queued jobs that can share its pipeline call.
+    def gather(self, shared: bool = False) -> list[Job]:
+        """The oldest queued job and the queued jobs that can share its pipeline call; for a
+        call that runs `shared` (joined), no tenant past its `share` of the call's rows.
 
         A job with more images than `max_batch_images` runs alone (the replica runs it in calls
         of at most that many), so no request makes one call larger than the setting.
@@ -143,14 +147,33 @@ class Scheduler:
         limit = self.batching.max_batch_images
         batch, images = [head], len(head.rows)
         adapters = set(head.adapters)
+        held = collections.Counter({head.tenant: len(head.rows)})
         for job in list(self.queue)[1:]:
             if images >= limit:
                 break
+            if shared and held[job.tenant] + len(job.rows) > self.share(job.tenant):
+                continue
             if job.key == head.key and images + len(job.rows) <= limit and self._fits(adapters, job):
                 batch.append(job)
                 images += len(job.rows)
+                held[job.tenant] += len(job.rows)
                 adapters.update(job.adapters)
         return batch
+
+    def share(self, tenant: str) -> int:
+        """The most rows of a joined call `tenant`'s requests may hold: all of them, less
+        `rows_kept_for_others` while another tenant is active (a request queued or running,
+        or one sent in the last `ACTIVE_S`), so that tenant's next request finds a row free at
+        the next step instead of waiting for the call's rows to free up."""
+        limit = self.batching.max_batch_images
+        kept = min(self.batching.rows_kept_for_others, limit - 1)
+        if kept == 0 or set(self._seen) <= {tenant}:  # no other tenant ever came
+            return limit
+        now = time.perf_counter()
+        others = any(t != tenant and now - at <= ACTIVE_S for t, at in self._seen.items()) or any(
+            j.tenant != tenant for j in (*self.queue, *self.running)
+        )
+        return limit - kept if others else limit
 
     def _fits(self, adapters: set[str], job: Job) -> bool:
         """Whether `job`'s adapters can join a call holding `adapters` (names)."""
@@ -202,8 +225,10 @@ class Scheduler:
                 await self._wakeup.wait()
                 continue
             batch = self.gather()
+            joined = joins is not None and joins(batch)
+            batch = self.gather(joined) if joined else batch
             while (images := sum(len(j.rows) for j in batch)) < self.batching.max_batch_images:
-                wait_until = self.fill_deadline(batch, images, joins is not None and joins(batch))
+                wait_until = self.fill_deadline(batch, images, joined)
                 if time.perf_counter() >= wait_until:
                     break
                 self._wakeup.clear()
@@ -213,7 +238,7 @@ class Scheduler:
                     pass
                 if not self.queue:
                     break
-                batch = self.gather()
+                batch = self.gather(joined)
             if not self.queue:
                 continue
             now = time.perf_counter()
@@ -227,14 +252,26 @@ class Scheduler:
             self.running = list(batch)
             return batch
 
-    def take_joiners(self, join_key: Hashable, room: int, fits: Callable[[Job], bool]) -> list[Job]:
+    def take_joiners(
+        self,
+        join_key: Hashable,
+        room: int,
+        fits: Callable[[Job], bool],
+        held: collections.Counter | None = None,
+    ) -> list[Job]:
         """Queued jobs of `join_key` that join a running call now (step-level joining), oldest first,
         marked running: at most `room` images, and none past an older job that cannot join
-        (a request of another kind waits for the call to drain, not for ever)."""
+        (a request of another kind waits for the call to drain, not for ever). `held`: the
+        call's rows by tenant; a job that would take its tenant past its `share` is passed
+        over (and added to `held` when taken)."""
         out = []
+        held = collections.Counter() if held is None else held
         for job in list(self.queue):
+            if held[job.tenant] + len(job.rows) > self.share(job.tenant):
+                continue
             if job.join_key != join_key or len(job.rows) > room or not fits(job):
                 break
+            held[job.tenant] += len(job.rows)
             self.queue.remove(job)
             self._vtime = max(self._vtime, job.start_tag)
             self._count_start(job, time.perf_counter())
