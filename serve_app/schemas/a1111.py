@@ -8,7 +8,9 @@ input image, mask and denoising strength, `override_settings.sd_model_checkpoint
 scripts, variation seeds, ...) is taken at A1111's default (a client that sends every field
 sends those) and refused with a 400 naming the field otherwise (`NOT_DONE`). Fields that only
 steer A1111's own files and UI (saving, comments, the second pass's settings while it is off)
-are taken and have no effect.
+are taken and have no effect. Keys A1111 does not know are ignored, as A1111 ignores them
+(clients forward bodies built for other servers and extensions); a known field with a bad value
+is a 400 naming it.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ def options_schema() -> dict[str, Any]:
 class _A1111Common(_Wire):
     """What txt2img and img2img share, with A1111's names; None: the model's default."""
 
-    model_config = ConfigDict(json_schema_extra=lambda schema: _declared(schema, ()))
+    model_config = ConfigDict(extra="ignore", json_schema_extra=lambda schema: _declared(schema, ()))
 
     prompt: Prompt = Field(
         description="The prompt; `<lora:name:weight>` applies a registered adapter. Not empty without "
