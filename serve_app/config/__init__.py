@@ -91,7 +91,8 @@ class ModelConfig(_Strict):
         "builtin:tiny-sd",
         description="`builtin:<name>`, a local diffusers directory, a Hugging Face hub id, or one "
         "`.safetensors` checkpoint file in the original layout: Stable Diffusion 1.x or SDXL "
-        "(A1111/ComfyUI), SD3 (Stability's), or a FLUX transformer (BFL/ComfyUI).",
+        "(A1111/ComfyUI), SD3 (Stability's), or a FLUX transformer (BFL/ComfyUI), which may also be "
+        "a `.gguf` file (quantized; its weights stay quantized).",
     )
     pipeline_config: str | None = Field(
         None,

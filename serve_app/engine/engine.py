@@ -48,6 +48,7 @@ from serve_app.engine.loading import (
     resolve_device,
     resolve_dtype,
     scheduler_class,
+    weights_held,
 )
 from serve_app.engine.media import encode_image
 from serve_app.engine.row_lora import apply_row_adapters
@@ -212,6 +213,7 @@ class DiffusionEngine:
             "default_sigma_schedule": self.schedulers.default[1],
             "sampler_kind": "flow" if self.schedulers.flow else "discrete",
             "load_s": round(self.load_s, 3),
+            **weights_held(find_denoiser(self.pipe)),
             "rpc_methods": rpc_methods(self),
         }
 

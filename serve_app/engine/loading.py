@@ -150,6 +150,19 @@ def find_denoiser(pipe) -> torch.nn.Module:
     return getattr(pipe, denoiser_name(pipe))
 
 
+def weights_held(denoiser: torch.nn.Module) -> dict[str, Any]:
+    """What the denoiser's weights hold on its device: their bytes (quantized ones as stored)
+    and the types they are held in (`float16`, `Q8_0` for a GGUF file's, ...)."""
+    held: dict[str, int] = {}
+    for p in denoiser.parameters():
+        kind = getattr(getattr(p, "quant_type", None), "name", None) or str(p.dtype).removeprefix("torch.")
+        held[kind] = held.get(kind, 0) + p.numel() * p.element_size()
+    return {
+        "denoiser_bytes": sum(held.values()),
+        "denoiser_weights": sorted(held, key=held.get, reverse=True),
+    }
+
+
 def apply_optimizations(pipe, opt, device: torch.device) -> None:
     """The accelerations named in `model.optimizations`; each refuses clearly when it cannot apply."""
     denoiser = find_denoiser(pipe)
@@ -191,6 +204,8 @@ _QUANTIZERS = {
 def quantize_denoiser(denoiser: torch.nn.Module, kind: str, device: torch.device) -> None:
     """Quantize the denoiser's linear layers in place with torchao (weights converted once)."""
     field = "model.optimizations.quantize"
+    if any(hasattr(p, "quant_type") for p in denoiser.parameters()):
+        raise ModelLoadError(f"{field}: the denoiser of a GGUF file is quantized already; leave it 'none'")
     if kind.startswith("float8") and (
         device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 9)
     ):

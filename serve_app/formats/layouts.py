@@ -5,7 +5,10 @@ A `.safetensors` file is 8 bytes (the header's length, little-endian), a JSON he
 every tensor with its dtype, shape and byte range, then the tensors. Its header tells a file
 that is no safetensors file (a pickle under that name, say) or one cut short from a good one,
 and its tensor names tell the layout of a single-file checkpoint, before anything is loaded.
-A layout's pipeline class tells its family (`family_of`), as the engine names families.
+A `.gguf` file (GGUF, llama.cpp's format: quantized tensors, as the community publishes FLUX
+transformers) is read the same way: its header, checked against the file, names every tensor
+with its type. A layout's pipeline class tells its family (`family_of`), as the engine names
+families.
 """
 
 from __future__ import annotations
@@ -18,12 +21,24 @@ from pathlib import Path
 # Weights in Python's pickle format (torch.save's): loading one runs the code it carries.
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 SAFETENSORS_SUFFIX = ".safetensors"
+GGUF_SUFFIX = ".gguf"
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own bound
 # A header past this is read in a process of its own (`file_layout`): parsing it holds the
 # interpreter's lock for seconds (35 MB: 1.5 s), which would stall every thread of the caller.
 LARGE_HEADER_BYTES = 8 * 2**20
 
 PICKLE_REASON = "loading a pickle runs the code it carries, so only .safetensors weights are loaded"
+
+# The GGUF tensor types diffusers' GGUF loader reads (its SUPPORTED_GGUF_QUANT_TYPES, and F32 and
+# F16 as they are), by gguf's names; tests/test_gguf.py holds this to diffusers' list.
+GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+              "Q6_K", "IQ4_NL", "IQ4_XS")  # fmt: skip
+# Layouts a GGUF file is loaded in: the transformer-only ones (the rest come with the configs).
+GGUF_LAYOUTS = ("flux",)
+# Bounds on a GGUF header's counts, far above real files' (FLUX.1: ~780 tensors, ~10 fields):
+# a header that claims more is refused before it is parsed.
+MAX_GGUF_TENSORS = 50_000
+MAX_GGUF_FIELDS = 10_000
 
 # Single-file checkpoint layouts (the original repositories' key names), each by the tensor
 # names that mark it, with its diffusers pipeline; only `LOADABLE` ones are served.
@@ -53,8 +68,12 @@ class FileRefused(ValueError):
 
 
 def is_single_file(source: str) -> bool:
-    """Whether a model source names one weights file (safetensors or a pickle) by its suffix."""
-    return Path(source).suffix.lower() in (SAFETENSORS_SUFFIX, *PICKLE_SUFFIXES)
+    """Whether a model source names one weights file (safetensors, GGUF or a pickle) by its suffix."""
+    return Path(source).suffix.lower() in (SAFETENSORS_SUFFIX, GGUF_SUFFIX, *PICKLE_SUFFIXES)
+
+
+def is_gguf_name(source: str | Path) -> bool:
+    return Path(source).suffix.lower() == GGUF_SUFFIX
 
 
 def is_pickle_name(source: str) -> bool:
@@ -96,6 +115,61 @@ def safetensors_keys(path: str | Path) -> list[str]:
     if 8 + n + end > size:
         raise FileRefused(f"is cut short: its tensors need {8 + n + end} bytes and the file has {size}")
     return list(tensors)
+
+
+def gguf_keys(path: str | Path) -> list[str]:
+    """The tensor names of a GGUF file, its header parsed (by the `gguf` package) and checked
+    against the file's size; FileRefused if it is a pickle, no GGUF file, cut short, or holds a
+    tensor type diffusers cannot read (naming the type and a tensor of it)."""
+    p = Path(path)
+    size = p.stat().st_size
+    with open(p, "rb") as f:
+        head = f.read(24)  # magic, version, tensor count, field count
+    if _is_pickle(head):
+        raise FileRefused(f"holds a pickle (torch.save's format), not GGUF: {PICKLE_REASON}")
+    if len(head) < 24 or head[:4] != b"GGUF":
+        raise FileRefused("is not a GGUF file (it does not begin with GGUF's magic)")
+    version, tensors, fields = (int.from_bytes(head[a:b], "little") for a, b in ((4, 8), (8, 16), (16, 24)))
+    if version not in (2, 3):
+        raise FileRefused(f"is a GGUF file of version {version}; versions 2 and 3 are read")
+    if tensors > MAX_GGUF_TENSORS or fields > MAX_GGUF_FIELDS:
+        raise FileRefused(
+            f"is not a GGUF file this server reads (its header claims {tensors} tensors and {fields} fields)"
+        )
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(p)
+    except Exception as e:  # a header cut short or lying: numpy and gguf raise many types
+        raise FileRefused(
+            f"is cut short or no GGUF file (its header could not be read: {type(e).__name__})"
+        ) from None
+    names = []
+    for t in reader.tensors:
+        if (end := t.data_offset + int(t.n_bytes)) > size:
+            raise FileRefused(
+                f"is cut short: tensor {t.name[:80]!r} needs {end} bytes and the file has {size}"
+            )
+        if t.tensor_type.name not in GGUF_TYPES:
+            raise FileRefused(
+                f"holds {t.name[:80]!r} in GGUF type {t.tensor_type.name}, which diffusers cannot read "
+                f"(it reads {', '.join(GGUF_TYPES)})"
+            )
+        names.append(t.name)
+    return names
+
+
+def gguf_layout(keys: list[str]) -> str:
+    """`loadable_layout` of a GGUF file's tensor names, which must be one of `GGUF_LAYOUTS`;
+    FileRefused if not."""
+    layout = checkpoint_layout(keys)
+    if layout is not None and layout not in GGUF_LAYOUTS:
+        raise FileRefused(
+            f"is a GGUF file in the {LAYOUTS[layout][0]} layout; GGUF files are loaded as "
+            + ", ".join(LAYOUTS[name][0] for name in GGUF_LAYOUTS)
+            + " transformers only"
+        )
+    return loadable_layout(keys)
 
 
 def _is_pickle(head: bytes) -> bool:
@@ -149,12 +223,14 @@ def loadable_layout(keys: list[str]) -> str:
 
 
 def file_layout(path: str | Path) -> str:
-    """`loadable_layout` of a safetensors file's tensor names. A header larger than real models'
-    (`LARGE_HEADER_BYTES`) is read by a child process, so the caller's other threads (an
-    ingress's event loop) go on meanwhile; FileRefused either way."""
+    """`loadable_layout` of a safetensors or GGUF file's tensor names. A safetensors header
+    larger than real models' (`LARGE_HEADER_BYTES`), and every GGUF header (parsed field by
+    field in Python), is read by a child process, so the caller's other threads (an ingress's
+    event loop) go on meanwhile; FileRefused either way."""
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
-    if not LARGE_HEADER_BYTES < n <= min(MAX_HEADER_BYTES, Path(path).stat().st_size - 8):
+    small = not LARGE_HEADER_BYTES < n <= min(MAX_HEADER_BYTES, Path(path).stat().st_size - 8)
+    if small and not is_gguf_name(path):
         return loadable_layout(safetensors_keys(path))  # small, or refused without reading it
     try:
         done = subprocess.run(
@@ -202,6 +278,9 @@ def family_of(pipeline_class_name: str) -> str | None:
 
 if __name__ == "__main__":  # `file_layout`'s reader of a large header: its answer as JSON
     try:
-        print(json.dumps({"layout": loadable_layout(safetensors_keys(sys.argv[1]))}))
+        if is_gguf_name(sys.argv[1]):
+            print(json.dumps({"layout": gguf_layout(gguf_keys(sys.argv[1]))}))
+        else:
+            print(json.dumps({"layout": loadable_layout(safetensors_keys(sys.argv[1]))}))
     except FileRefused as e:
         print(json.dumps({"refused": str(e)}))

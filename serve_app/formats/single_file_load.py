@@ -30,6 +30,9 @@ from serve_app.formats.layouts import (
     FileRefused,
     describe_layout,
     family_of,
+    gguf_keys,
+    gguf_layout,
+    is_gguf_name,
     is_pickle_name,
     loadable_layout,
     safetensors_keys,
@@ -71,7 +74,7 @@ def load_single_file(
 
     try:
         if layout in TRANSFORMER_ONLY:
-            pipe = _around_transformer(cfg, path, config_dir, class_name, embedded, reuse or {})
+            pipe = _around_transformer(cfg, path, config_dir, class_name, embedded, reuse or {}, dtype)
         else:
             parts = _converted_models(index, path, config_dir, src, layout, reuse or {})
             parts.update(_absent_text_encoders(cfg, layout, parts, config_dir, embedded))
@@ -92,10 +95,17 @@ TRANSFORMER_ONLY = ("flux",)
 
 
 def _around_transformer(
-    cfg: ModelConfig, path: Path, config_dir: Path, class_name: str, embedded: Embedded, reuse: dict
+    cfg: ModelConfig,
+    path: Path,
+    config_dir: Path,
+    class_name: str,
+    embedded: Embedded,
+    reuse: dict,
+    dtype: torch.dtype,
 ):
     """The pipeline of `model.pipeline_config` (an embedded model built from `model.seed`, or a
-    local diffusers directory's weights) with its transformer read from the file."""
+    local diffusers directory's weights) with its transformer read from the file (a GGUF
+    file's quantized, `_load_quantized`)."""
     import diffusers
     from safetensors.torch import load_file
 
@@ -104,11 +114,21 @@ def _around_transformer(
     cls = diffusers.FluxTransformer2DModel
     with torch.device("meta"):
         transformer = cls.from_config(cls.load_config(config_dir / "transformer"))
+    gguf = is_gguf_name(path)
+    if gguf:
+        from diffusers.models.model_loading_utils import load_gguf_checkpoint
+
+        state = load_gguf_checkpoint(str(path))
+    else:
+        state = load_file(str(path))
     try:
-        weights = flux_from_original(load_file(str(path)))
+        weights = flux_from_original(state)
     except KeyError:  # no img_in: nothing the transformer's widths can be read from
         weights = {}
-    missing = transformer.load_state_dict(weights, strict=False, assign=True).missing_keys
+    if gguf:
+        missing = _load_quantized(transformer, weights, dtype, cfg.source)
+    else:
+        missing = transformer.load_state_dict(weights, strict=False, assign=True).missing_keys
     if missing:
         raise CheckpointRefused(
             f"model.source: {cfg.source!r} lacks {len(missing)} weights of the transformer "
@@ -123,6 +143,44 @@ def _around_transformer(
     return getattr(diffusers, class_name).from_pretrained(config_dir, local_files_only=True, **parts)
 
 
+def _load_quantized(transformer: torch.nn.Module, weights: dict, dtype: torch.dtype, src: str) -> list[str]:
+    """Put a GGUF file's weights (diffusers' names) into `transformer` (on the meta device) as
+    they are: each linear layer whose weight is quantized becomes diffusers' `GGUFLinear`, which
+    dequantizes it at each call to `dtype`, so the weights stay quantized in memory; any other
+    quantized tensor (a norm's, in BF16) is dequantized once. Returns the names of the weights
+    the file lacks; CheckpointRefused for one whose shape is not the configs'."""
+    from diffusers.quantizers.gguf.utils import (
+        GGUFLinear,
+        GGUFParameter,
+        _replace_with_gguf_linear,
+        dequantize_gguf_tensor,
+    )
+
+    _replace_with_gguf_linear(transformer, dtype, weights)
+    missing = []
+    for key, like in transformer.state_dict(keep_vars=True).items():
+        value = weights.get(key)
+        if value is None:
+            missing.append(key)
+            continue
+        quantized = isinstance(value, GGUFParameter)
+        shape = tuple(value.quant_shape if quantized else value.shape)
+        if shape != tuple(like.shape):
+            raise CheckpointRefused(
+                f"model.source: {src!r} holds {key} of shape {shape}; the transformer's configs "
+                f"(model.pipeline_config) give {tuple(like.shape)}"
+            )
+        module, _, name = key.rpartition(".")
+        owner = transformer.get_submodule(module)
+        if quantized and not (isinstance(owner, GGUFLinear) and name == "weight"):
+            value, quantized = dequantize_gguf_tensor(value).to(dtype), False
+        if name in owner._buffers:
+            owner._buffers[name] = value
+        else:
+            owner._parameters[name] = value if quantized else torch.nn.Parameter(value, requires_grad=False)
+    return missing
+
+
 def _checked_file(src: str) -> tuple[Path, list[str], str]:
     """The file, its tensor names and its layout, or CheckpointRefused saying why not."""
     field = "model.source"
@@ -131,9 +189,15 @@ def _checked_file(src: str) -> tuple[Path, list[str], str]:
     path = Path(src).expanduser()
     if not path.is_file():
         raise CheckpointRefused(f"{field}: no checkpoint file at {src!r}")
-    if path.suffix != SAFETENSORS_SUFFIX:  # diffusers reads any other name (.SAFETENSORS too) as a pickle
-        raise CheckpointRefused(f"{field}: {src!r}: a single-file checkpoint's name ends in .safetensors")
+    gguf = is_gguf_name(path)
+    if path.suffix != SAFETENSORS_SUFFIX and not gguf:  # diffusers reads other names as pickles
+        raise CheckpointRefused(
+            f"{field}: {src!r}: a single-file checkpoint's name ends in .safetensors or .gguf"
+        )
     try:
+        if gguf:
+            keys = gguf_keys(path)
+            return path, keys, gguf_layout(keys)
         keys = safetensors_keys(path)
         return path, keys, loadable_layout(keys)
     except FileRefused as e:

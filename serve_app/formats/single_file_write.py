@@ -265,6 +265,34 @@ def pipeline_to_original(pipe) -> dict[str, torch.Tensor]:
     return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
 
 
+def write_gguf(pipe, out: str | Path, quant: str = "Q8_0") -> Path:
+    """Write a FLUX pipeline's transformer as one GGUF file at `out`, in the original layout as
+    the community's FLUX GGUF files are: each 2-D weight whose rows fill whole blocks of the
+    type in `quant` (`Q8_0`, `Q4_0`, ...: the types the `gguf` package quantizes), the rest
+    (biases, norms, layers too narrow) in F32."""
+    import gguf
+
+    if not type(pipe).__name__.startswith("Flux"):
+        raise ValueError(f"GGUF files are written for FLUX pipelines only; this is a {type(pipe).__name__}")
+    qtype = gguf.GGMLQuantizationType[quant]
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), arch="flux")
+    for name, tensor in pipeline_to_original(pipe).items():
+        data = tensor.float().numpy()
+        if data.ndim == 2 and data.shape[1] % block == 0:
+            packed = gguf.quants.quantize(data, qtype)
+            writer.add_tensor(name, packed, raw_shape=packed.shape, raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
 def write_single_file(pipe, out: str | Path) -> Path:
     """Write `pipe` as one original-layout `.safetensors` file at `out`."""
     from safetensors.torch import save_file

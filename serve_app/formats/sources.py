@@ -4,8 +4,9 @@ the ingress imports it.
 
 A checkpoint is a diffusers pipeline directory (`model_index.json` and its component folders)
 under one of the allowed roots, holding only safetensors weights, a single-file checkpoint there
-(one `.safetensors` file in the original Stable Diffusion 1.x, SDXL, SD3 or FLUX layout, configured
-like the pool's own model: `model.pipeline_config`, else its source), or, where the hub is
+(one `.safetensors` file in the original Stable Diffusion 1.x, SDXL, SD3 or FLUX layout, or a
+`.gguf` FLUX transformer, configured like the pool's own model: `model.pipeline_config`, else
+its source), or, where the hub is
 allowed, a hub id (`org/name`) that the replica downloads when it loads it.
 """
 
@@ -24,6 +25,7 @@ from serve_app.formats.layouts import (
     SAFETENSORS_SUFFIX,
     FileRefused,
     file_layout,
+    is_gguf_name,
 )
 
 
@@ -116,8 +118,11 @@ def _single_file_class(path: Path, shown: str) -> str:
     """The pipeline class of a single-file checkpoint's layout, read from its header."""
     if path.suffix.lower() in PICKLE_SUFFIXES:
         raise _refuse(f"{shown!r} is a pickle checkpoint: {PICKLE_REASON}")
-    if path.suffix != SAFETENSORS_SUFFIX:  # diffusers reads any other name (.SAFETENSORS too) as a pickle
-        raise _refuse(f"{shown!r} is neither a diffusers pipeline directory nor a .safetensors checkpoint")
+    # diffusers reads any other name (.SAFETENSORS too) as a pickle
+    if path.suffix != SAFETENSORS_SUFFIX and not is_gguf_name(path):
+        raise _refuse(
+            f"{shown!r} is neither a diffusers pipeline directory nor a .safetensors or .gguf checkpoint"
+        )
     try:
         return LAYOUTS[file_layout(path)][1]
     except FileRefused as e:

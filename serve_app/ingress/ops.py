@@ -45,7 +45,8 @@ async def models(core: Core) -> ModelList:
     for name, entry in sorted(core.models.checkpoints.all().items() if pools else []):
         pool = cards.get(entry.get("pool"))
         if pool is not None and pool.ready:
-            extra = {"id": name, "source": name, "family": entry.get("family") or pool.family}
+            extra = {"id": name, "source": name, "family": entry.get("family") or pool.family,
+                     "denoiser_bytes": None, "denoiser_weights": []}  # known once loaded  # fmt: skip
             out.append(pool.model_copy(update={**extra, "aliases": [], "pool": pool.id}))
     return ModelList(data=out)
 
@@ -69,6 +70,8 @@ def _card(info: ModelDescription, aliases: list[str], now: int) -> ModelCard:
         samplers=info.samplers,
         default_sampler=info.default_sampler,
         default_sigma_schedule=info.default_sigma_schedule,
+        denoiser_bytes=info.denoiser_bytes,
+        denoiser_weights=info.denoiser_weights,
     )
 
 

@@ -238,6 +238,8 @@ class ModelDescription(BaseModel):
     default_sampler: str | None = None
     default_sigma_schedule: str | None = None
     sampler_kind: str = ""
+    denoiser_bytes: int | None = None
+    denoiser_weights: list[str] = Field(default_factory=list)
     rpc_methods: list[str] = Field(default_factory=list)
 
     def embeds_shapes(self) -> dict[str, list[int]] | None:

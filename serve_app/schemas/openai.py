@@ -319,6 +319,14 @@ class ModelCard(BaseModel):
         None, description="The sampler of the model's own scheduler (None: one without a name here)."
     )
     default_sigma_schedule: str | None = None
+    denoiser_bytes: int | None = Field(
+        None, description="Bytes the denoiser's weights hold on the device (quantized ones as stored)."
+    )
+    denoiser_weights: list[str] = Field(
+        default_factory=list,
+        description="The types the denoiser's weights are held in, most bytes first: float16, bfloat16, "
+        "Q8_0 or Q4_0 (a GGUF file's), ...",
+    )
     ready: bool = Field(True, description="Whether a replica serves it now (else requests for it get 503).")
     pool: str | None = Field(
         None, description="A registered checkpoint's pool model: it runs on that pool's replicas, "
