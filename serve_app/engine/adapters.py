@@ -1,5 +1,6 @@
-"""LoRA adapters in a pipeline: reading and checking their files, installing and removing them,
-and putting a set of them in force at given scales.
+"""LoRA adapters in a pipeline: reading and checking their files (LyCORIS LoHa and LoKr files are
+read as the exact LoRA they are, `lycoris`), installing and removing them, and putting a set of
+them in force at given scales.
 
 Each refusal is a `LoraError` that names the file and says why.
 """
@@ -13,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from serve_app.engine.loading import denoiser_name
+from serve_app.engine import lycoris
+from serve_app.engine.loading import denoiser_name, find_denoiser
 from serve_app.engine.types import CallParams, LoraError, Row
 
 # Adapters in force: (name, scale) each, in name order, no scale 0; None for the base model.
@@ -41,6 +43,11 @@ def read_adapter(pipe, path: str) -> dict[str, torch.Tensor]:
         state = _adapter_weights(pipe, path)
     except (SafetensorError, OSError, ValueError) as e:
         raise LoraError(f"{path}: not a readable safetensors file or adapter directory ({e})") from None
+    if lycoris.is_lycoris(state):
+        try:
+            state = lycoris.as_lora(state, _conv_shapes(pipe))
+        except lycoris.LycorisError as e:
+            raise LoraError(f"{path}: {e}") from None
     ups = [v for k, v in state.items() if _UP_WEIGHT.search(k)]
     if not ups:
         raise LoraError(f"{path}: no LoRA weights in it (no lora up/B tensors)")
@@ -99,6 +106,17 @@ def row_adapter_sets(rows: Sequence[Row], params: CallParams) -> list[tuple[tupl
     """Each row's adapters (its own `Row.adapters`, else the call's `params.loras`), in name
     order and without those at scale 0."""
     return [tuple(sorted((n, sc) for n, sc in r.adapters or params.loras if sc != 0)) for r in rows]
+
+
+def _conv_shapes(pipe) -> dict[str, tuple[int, ...]]:
+    """The weight shapes of the denoiser's convolutions by their kohya names (`lora_unet_` and the
+    module's path with `_` for `.`), so a LyCORIS update of one becomes a convolution's LoRA."""
+    prefix = "lora_unet_" if denoiser_name(pipe) == "unet" else "lora_transformer_"
+    return {  # a layer with adapters installed holds the convolution as its `base_layer`
+        prefix + name.removesuffix(".base_layer").replace(".", "_"): tuple(m.weight.shape)
+        for name, m in find_denoiser(pipe).named_modules()
+        if isinstance(m, torch.nn.Conv2d)
+    }
 
 
 def _adapter_weights(pipe, path: str) -> dict[str, torch.Tensor]:

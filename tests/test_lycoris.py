@@ -1,0 +1,132 @@
+"""LyCORIS adapters (LoHa, LoKr) in kohya's layout, read as the exact LoRA they are
+(`serve_app/engine/lycoris.py`): the update each writes equals the LoHa or LoKr formula, and a
+LoHa or LoKr file, alone, stacked with a LoRA, or mixed per row beside a row without it,
+changes the image as the same updates merged into the UNet's weights do."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from serve_app.config import ModelConfig
+from serve_app.engine import CallParams, DiffusionEngine, LoraError, Row
+from serve_app.engine.lycoris import as_lora
+
+# Linear layers and a convolution of tiny-sd's UNet, by diffusers' names.
+LINEAR = [f"down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_{p}" for p in ("q", "k", "v")]
+CONV = "down_blocks.1.resnets.0.conv1"  # (64, 32, 3, 3)
+FF = "down_blocks.1.attentions.0.transformer_blocks.0.ff.net.2"  # (64, 256): the LoRA's layer
+
+
+def kohya(module: str) -> str:
+    return "lora_unet_" + module.replace(".", "_")
+
+
+def loha(shape, r: int, alpha: float, g: torch.Generator) -> tuple[dict, torch.Tensor]:
+    out, inner = shape[0], int(np.prod(shape[1:]))
+    sizes = {"hada_w1_a": (out, r), "hada_w1_b": (r, inner), "hada_w2_a": (out, r), "hada_w2_b": (r, inner)}
+    w = {k: torch.randn(*s, generator=g) * 0.3 for k, s in sizes.items()}
+    delta = (w["hada_w1_a"] @ w["hada_w1_b"]) * (w["hada_w2_a"] @ w["hada_w2_b"]) * alpha / r
+    return {**w, "alpha": torch.tensor(alpha)}, delta.reshape(shape)
+
+
+def lokr(
+    shape, r: int, alpha: float, g: torch.Generator, whole_w2: bool = False
+) -> tuple[dict, torch.Tensor]:
+    # w1 whole (4 x 4), w2 low-rank (or whole): kron(w1, w2) has the layer's shape.
+    out, inner = shape[0], int(np.prod(shape[1:]))
+    w1 = torch.randn(4, 4, generator=g) * 0.3
+    if whole_w2:
+        w2 = torch.randn(out // 4, inner // 4, generator=g) * 0.1
+        return {"lokr_w1": w1, "lokr_w2": w2, "alpha": torch.tensor(alpha)}, torch.kron(w1, w2).reshape(shape)
+    a, b = torch.randn(out // 4, r, generator=g) * 0.3, torch.randn(r, inner // 4, generator=g) * 0.3
+    delta = torch.kron(w1, a @ b) * alpha / r
+    return {"lokr_w1": w1, "lokr_w2_a": a, "lokr_w2_b": b, "alpha": torch.tensor(alpha)}, delta.reshape(shape)
+
+
+def test_each_module_is_written_as_the_lora_of_its_exact_update():
+    g = torch.Generator().manual_seed(0)
+    for make, shape in ((loha, (64, 64)), (loha, (64, 32, 3, 3)), (lokr, (64, 64)), (lokr, (64, 32, 3, 3))):
+        parts, delta = make(shape, 4, 2.0, g)
+        lora = as_lora({f"m.{k}": v for k, v in parts.items()}, {"m": shape})
+        up, down = lora["m.lora_up.weight"], lora["m.lora_down.weight"]
+        assert float(lora["m.alpha"]) == down.shape[0]  # alpha = rank: the update as it is
+        assert torch.allclose((up.flatten(1) @ down.flatten(1)).reshape(shape), delta, atol=1e-5), make
+    parts, delta = lokr((64, 64), 4, 2.0, g, whole_w2=True)  # both whole: no alpha / r
+    lora = as_lora({f"m.{k}": v for k, v in parts.items()})
+    assert torch.allclose(lora["m.lora_up.weight"] @ lora["m.lora_down.weight"], delta, atol=1e-5)
+    with pytest.raises(ValueError, match="m: a Tucker-decomposed convolution"):
+        as_lora({"m.hada_t1": torch.zeros(1), "m.hada_w1_a": torch.zeros(1)})
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory):
+    """Files (a LoHa, a LoKr, a plain kohya LoRA) and each one's updates by module."""
+    root, g = tmp_path_factory.mktemp("lycoris"), torch.Generator().manual_seed(1)
+    unet = DiffusionEngine(ModelConfig(source="builtin:tiny-sd", device="cpu", warmup=False)).pipe.unet
+    shapes = {m: tuple(unet.get_submodule(m).weight.shape) for m in (*LINEAR, CONV, FF)}
+    files, deltas = {}, {}
+    for name, make in (("loha", loha), ("lokr", lokr)):
+        state, deltas[name] = {}, {}
+        for module in (*LINEAR, CONV):
+            parts, deltas[name][module] = make(shapes[module], 4, 2.0, g)
+            state.update({f"{kohya(module)}.{k}": v for k, v in parts.items()})
+        save_file(state, str(root / f"{name}.safetensors"))
+        files[name] = str(root / f"{name}.safetensors")
+    up, down = torch.randn(64, 4, generator=g) * 0.3, torch.randn(4, 256, generator=g) * 0.3
+    save_file({f"{kohya(FF)}.lora_up.weight": up, f"{kohya(FF)}.lora_down.weight": down,
+               f"{kohya(FF)}.alpha": torch.tensor(2.0)}, str(root / "lora.safetensors"))  # fmt: skip
+    files["lora"], deltas["lora"] = str(root / "lora.safetensors"), {FF: up @ down * 2.0 / 4}
+    return files, deltas
+
+
+def pixels(e: DiffusionEngine, rows=None, **kw) -> list[np.ndarray]:
+    p = CallParams(height=32, width=32, steps=3, guidance_scale=7.5, **kw)
+    out = e.run(rows or [Row("a red circle", None, 1)], p)
+    return [np.asarray(im).astype(int) for im in out.images]
+
+
+def merged(*deltas: dict) -> DiffusionEngine:
+    e = DiffusionEngine(ModelConfig(source="builtin:tiny-sd", device="cpu", warmup=False))
+    with torch.no_grad():
+        for d in deltas:
+            for module, delta in d.items():
+                e.pipe.unet.get_submodule(module).weight += delta
+    return e
+
+
+def test_a_loha_or_lokr_file_changes_the_image_as_its_merged_updates_do(made):
+    files, deltas = made
+    e = DiffusionEngine(ModelConfig(source="builtin:tiny-sd", device="cpu", warmup=False))
+    for name in files:
+        e.load_lora(name, files[name])
+    base = pixels(e)[0]
+    for name in ("loha", "lokr"):
+        want = pixels(merged(deltas[name]))[0]
+        got = pixels(e, loras=((name, 1.0),))[0]
+        assert np.abs(got - want).max() <= 1 and np.abs(got - base).max() > 10, name
+        # Stacked with a plain LoRA: both updates, merged.
+        both = pixels(e, loras=((name, 1.0), ("lora", 1.0)))[0]
+        assert np.abs(both - pixels(merged(deltas[name], deltas["lora"]))[0]).max() <= 1, name
+        # Per row: a row with the adapter beside a row without it, in one call.
+        rows = [
+            dataclasses.replace(Row("a red circle", None, 1), adapters=((name, 1.0),)),
+            Row("a red circle", None, 1),
+        ]
+        mixed = pixels(e, rows)
+        assert np.abs(mixed[0] - want).max() <= 2 and np.abs(mixed[1] - base).max() <= 2, name
+
+
+def test_a_lycoris_file_that_cannot_be_read_as_a_lora_is_refused_naming_the_module(tmp_path):
+    save_file({"lora_unet_x.hada_w1_a": torch.ones(4, 2), "lora_unet_x.hada_t1": torch.ones(2, 2, 3, 3)},
+              str(tmp_path / "tucker.safetensors"))  # fmt: skip
+    save_file({"lora_unet_x.lokr_w1": torch.ones(4, 4)}, str(tmp_path / "half.safetensors"))
+    e = DiffusionEngine(ModelConfig(source="builtin:tiny-sd", device="cpu", warmup=False))
+    with pytest.raises(LoraError, match="lora_unet_x: a Tucker-decomposed convolution"):
+        e.read_lora(str(tmp_path / "tucker.safetensors"))
+    with pytest.raises(LoraError, match="lora_unet_x: a LoKr module needs lokr_w2"):
+        e.read_lora(str(tmp_path / "half.safetensors"))
