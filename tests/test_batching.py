@@ -241,3 +241,25 @@ def test_the_row_kept_for_others_only_while_another_tenant_is_active():
     taken = s.take_joiners("k", room=1, fits=lambda j: True, held=held)
     assert [j.request_id for j in taken] == ["b1"] and held == {"a": 3, "b": 1}
     loop.close()
+
+
+def test_a_job_past_its_tenants_share_is_not_overtaken_for_ever():
+    loop = asyncio.new_event_loop()
+
+    def job(rid: str, tenant: str, rows: int = 1) -> Job:
+        return Job(rid, [object()] * rows, "k", 4, loop.create_future(), join_key="k", tenant=tenant)
+
+    s = Scheduler(BatchingConfig(max_batch_images=4))
+    s.submit(job("b0", "b"))  # b is active: a's share of a joined call is 3 rows
+    s.queue.clear()
+    for j in (job("a-big", "a", 4), job("a1", "a"), job("b1", "b")):
+        s.submit(j)
+    # More rows than its tenant's share: nobody joins past it, so the call drains and it leads the next.
+    assert s.take_joiners("k", room=4, fits=lambda j: True) == []
+    assert [j.request_id for j in s.gather(shared=True)] == ["a-big"]
+    # A tenant's job that does not fit its share now is not overtaken by the tenant's later ones.
+    s.queue.clear()
+    for j in (job("a2", "a", 2), job("a3", "a")):
+        s.submit(j)
+    assert s.take_joiners("k", room=2, fits=lambda j: True, held=collections.Counter({"a": 2})) == []
+    loop.close()

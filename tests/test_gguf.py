@@ -60,6 +60,13 @@ def files(tmp_path_factory):
     lying[8:16] = (2**40).to_bytes(8, "little")  # a tensor count no file has
     (root / "lying.gguf").write_bytes(bytes(lying))
     (root / "magic.gguf").write_bytes(b"GGUX" + good[4:])
+    # One field, an array longer than the file (of bytes), or claiming 2**63 items (of strings).
+    field = (1).to_bytes(8, "little") + b"a" + (9).to_bytes(4, "little")
+    for name, kind, count in (("array", 0, 50_000), ("strings", 8, 2**63)):
+        head = b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little") + (1).to_bytes(8, "little")
+        (root / f"{name}.gguf").write_bytes(
+            head + field + kind.to_bytes(4, "little") + count.to_bytes(8, "little")
+        )
     torch.save({"weight": torch.zeros(2)}, root / "pickle.gguf")
     iq2 = gguf.GGMLQuantizationType.IQ2_XXS  # one gguf reads and diffusers does not
     _write(root / "iq2.gguf", {"img_in.weight": np.zeros((32, 16), np.float32)},
@@ -121,10 +128,12 @@ def test_a_gguf_twin_keeps_its_weights_quantized_and_makes_the_twins_image(files
 
 
 BAD = [
-    ("cut.gguf", "is cut short"),
-    ("header-cut.gguf", "is cut short or no GGUF file"),
+    ("cut.gguf", "is cut short: tensor"),
+    ("header-cut.gguf", "is cut short: its header needs more than the 200 bytes"),
     ("lying.gguf", "its header claims 1099511627776 tensors"),
     ("magic.gguf", "is not a GGUF file"),
+    ("array.gguf", "is cut short: its header needs more than the 49 bytes"),
+    ("strings.gguf", "its fields hold over 100000 items"),
     ("pickle.gguf", "holds a pickle"),
     ("iq2.gguf", "in GGUF type IQ2_XXS, which diffusers cannot read"),
     ("sd.gguf", "GGUF files are loaded as FLUX transformers only"),

@@ -35,6 +35,8 @@ def test_int8_weights_generate_close_images_and_take_adapters(name, kind, tmp_pa
     assert linears and all(type(m.weight) is not torch.nn.Parameter for m in linears), "not quantized"
     assert all(type(m.weight) is torch.nn.Parameter for m in find_denoiser(plain.pipe).modules()
                if isinstance(m, torch.nn.Linear))  # fmt: skip
+    held, full = quant.describe(), plain.describe()  # /v1/models' figures: what the device holds
+    assert "Int8Tensor" in held["denoiser_weights"] and held["denoiser_bytes"] < full["denoiser_bytes"]
     base, q = images(plain), images(quant)
     for a, b in zip(base, q, strict=True):
         diff = np.abs(a - b)

@@ -156,7 +156,11 @@ def weights_held(denoiser: torch.nn.Module) -> dict[str, Any]:
     held: dict[str, int] = {}
     for p in denoiser.parameters():
         kind = getattr(getattr(p, "quant_type", None), "name", None) or str(p.dtype).removeprefix("torch.")
-        held[kind] = held.get(kind, 0) + p.numel() * p.element_size()
+        parts = [p]
+        if hasattr(p, "__tensor_flatten__"):  # a tensor subclass (torchao's Int8Tensor): what it holds
+            kind = type(p).__name__
+            parts = [getattr(p, name) for name in p.__tensor_flatten__()[0]]
+        held[kind] = held.get(kind, 0) + sum(t.numel() * t.element_size() for t in parts)
     return {
         "denoiser_bytes": sum(held.values()),
         "denoiser_weights": sorted(held, key=held.get, reverse=True),

@@ -14,6 +14,7 @@ families.
 from __future__ import annotations
 
 import json
+import mmap
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,9 @@ GGUF_LAYOUTS = ("flux",)
 # a header that claims more is refused before it is parsed.
 MAX_GGUF_TENSORS = 50_000
 MAX_GGUF_FIELDS = 10_000
+MAX_GGUF_ITEMS = 100_000  # array items in all fields (the gguf package reads them one by one)
+# GGUF's metadata value types: the size of each fixed-size one (8: a string, 9: an array).
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 
 # Single-file checkpoint layouts (the original repositories' key names), each by the tensor
 # names that mark it, with its diffusers pipeline; only `LOADABLE` ones are served.
@@ -118,9 +122,11 @@ def safetensors_keys(path: str | Path) -> list[str]:
 
 
 def gguf_keys(path: str | Path) -> list[str]:
-    """The tensor names of a GGUF file, its header parsed (by the `gguf` package) and checked
-    against the file's size; FileRefused if it is a pickle, no GGUF file, cut short, or holds a
-    tensor type diffusers cannot read (naming the type and a tensor of it)."""
+    """The tensor names of a GGUF file, read from its header, every length in it checked
+    against what is left of the file and every tensor's bytes against the file's size (a
+    length no file can hold, such as an array of 2**63 items, makes the `gguf` package's own
+    parser loop for ever, growing); FileRefused if it is a pickle, no GGUF file, cut short, or
+    holds a tensor type diffusers cannot read (naming the type and a tensor of it)."""
     p = Path(path)
     size = p.stat().st_size
     with open(p, "rb") as f:
@@ -136,27 +142,99 @@ def gguf_keys(path: str | Path) -> list[str]:
         raise FileRefused(
             f"is not a GGUF file this server reads (its header claims {tensors} tensors and {fields} fields)"
         )
-    from gguf import GGUFReader
+    with open(p, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        return _GgufHeader(m, size).tensor_names(fields, tensors)
+
+
+class _GgufHeader:
+    """A walk through a GGUF header's fields and tensor descriptions, bounded by the file."""
+
+    def __init__(self, data, size: int):
+        self.data, self.size, self.at, self.items = data, size, 24, 0
+        self.alignment = 32
+
+    def take(self, n: int) -> int:
+        if n < 0 or self.at + n > self.size:
+            raise FileRefused(f"is cut short: its header needs more than the {self.size} bytes the file has")
+        self.at += n
+        return self.at - n
+
+    def number(self, n: int) -> int:
+        start = self.take(n)
+        return int.from_bytes(self.data[start : self.at], "little")
+
+    def text(self) -> str:
+        start = self.take(self.number(8))
+        return bytes(self.data[start : self.at]).decode("utf-8", "replace")
+
+    def value(self, kind: int, depth: int = 0) -> None:
+        if kind in _GGUF_SIZES:
+            self.take(_GGUF_SIZES[kind])
+        elif kind == 8:
+            self.take(self.number(8))
+        elif kind == 9 and depth < 4:
+            inner, count = self.number(4), self.number(8)
+            self.items += count
+            if self.items > MAX_GGUF_ITEMS:
+                raise FileRefused(
+                    f"is not a GGUF file this server reads (its fields hold over {MAX_GGUF_ITEMS} items)"
+                )
+            if inner in _GGUF_SIZES:
+                self.take(count * _GGUF_SIZES[inner])
+            else:
+                for _ in range(count):
+                    self.value(inner, depth + 1)
+        else:
+            raise FileRefused(f"is not a GGUF file (a field of unknown type {kind})")
+
+    def tensor_names(self, fields: int, tensors: int) -> list[str]:
+        for _ in range(fields):
+            key, kind = self.text(), self.number(4)
+            if key == "general.alignment" and kind == 4:  # a uint32
+                self.alignment = self.number(4)
+                if self.alignment == 0 or self.alignment & (self.alignment - 1):
+                    raise FileRefused(f"is not a GGUF file (an alignment of {self.alignment})")
+            else:
+                self.value(kind)
+        described = []
+        for _ in range(tensors):
+            name, dims = self.text(), self.number(4)
+            if dims > 8:
+                raise FileRefused(f"is not a GGUF file ({name[:80]!r} has {dims} dimensions)")
+            shape = [self.number(8) for _ in range(dims)]
+            described.append((name, shape, self.number(4), self.number(8)))
+        start = -(-self.at // self.alignment) * self.alignment  # the data, aligned
+        for name, shape, kind, offset in described:
+            block, nbytes = _gguf_type(name, kind)
+            elements = 1
+            for d in shape:
+                elements *= d
+            if shape and shape[0] % block:  # GGUF lists the fastest dimension first
+                raise FileRefused(
+                    f"is not a GGUF file ({name[:80]!r} does not fill whole blocks of its type)"
+                )
+            if (end := start + offset + elements // block * nbytes) > self.size:
+                raise FileRefused(
+                    f"is cut short: tensor {name[:80]!r} needs {end} bytes and the file has {self.size}"
+                )
+        return [name for name, *_ in described]
+
+
+def _gguf_type(name: str, kind: int) -> tuple[int, int]:
+    """(elements a block, bytes a block) of GGUF tensor type `kind`; FileRefused unless diffusers
+    reads it."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     try:
-        reader = GGUFReader(p)
-    except Exception as e:  # a header cut short or lying: numpy and gguf raise many types
+        quant = GGMLQuantizationType(kind)
+    except ValueError:
+        raise FileRefused(f"holds {name[:80]!r} in GGUF type {kind}, which no GGUF reader knows") from None
+    if quant.name not in GGUF_TYPES:
         raise FileRefused(
-            f"is cut short or no GGUF file (its header could not be read: {type(e).__name__})"
-        ) from None
-    names = []
-    for t in reader.tensors:
-        if (end := t.data_offset + int(t.n_bytes)) > size:
-            raise FileRefused(
-                f"is cut short: tensor {t.name[:80]!r} needs {end} bytes and the file has {size}"
-            )
-        if t.tensor_type.name not in GGUF_TYPES:
-            raise FileRefused(
-                f"holds {t.name[:80]!r} in GGUF type {t.tensor_type.name}, which diffusers cannot read "
-                f"(it reads {', '.join(GGUF_TYPES)})"
-            )
-        names.append(t.name)
-    return names
+            f"holds {name[:80]!r} in GGUF type {quant.name}, which diffusers cannot read "
+            f"(it reads {', '.join(GGUF_TYPES)})"
+        )
+    return GGML_QUANT_SIZES[quant]
 
 
 def gguf_layout(keys: list[str]) -> str:
@@ -241,7 +319,10 @@ def file_layout(path: str | Path) -> str:
         answer = {}
     if "layout" in answer:
         return answer["layout"]
-    raise FileRefused(answer.get("refused", "could not be read (its header is too large to read here)"))
+    unread = (
+        "its header could not be read here" if is_gguf_name(path) else "its header is too large to read here"
+    )
+    raise FileRefused(answer.get("refused", f"could not be read ({unread})"))
 
 
 def missing_part(layout: str, keys: list[str]) -> str | None:

@@ -148,10 +148,12 @@ class Scheduler:
         batch, images = [head], len(head.rows)
         adapters = set(head.adapters)
         held = collections.Counter({head.tenant: len(head.rows)})
+        share, passed = self._shares(), set()
         for job in list(self.queue)[1:]:
             if images >= limit:
                 break
-            if shared and held[job.tenant] + len(job.rows) > self.share(job.tenant):
+            if shared and (job.tenant in passed or held[job.tenant] + len(job.rows) > share(job.tenant)):
+                passed.add(job.tenant)  # the tenant's later jobs wait behind this one
                 continue
             if job.key == head.key and images + len(job.rows) <= limit and self._fits(adapters, job):
                 batch.append(job)
@@ -165,15 +167,19 @@ class Scheduler:
         `rows_kept_for_others` while another tenant is active (a request queued or running,
         or one sent in the last `ACTIVE_S`), so that tenant's next request finds a row free at
         the next step instead of waiting for the call's rows to free up."""
+        return self._shares()(tenant)
+
+    def _shares(self) -> Callable[[str], int]:
+        """`share` of each tenant, the active tenants found once (a call looks at many jobs)."""
         limit = self.batching.max_batch_images
         kept = min(self.batching.rows_kept_for_others, limit - 1)
-        if kept == 0 or set(self._seen) <= {tenant}:  # no other tenant ever came
-            return limit
         now = time.perf_counter()
-        others = any(t != tenant and now - at <= ACTIVE_S for t, at in self._seen.items()) or any(
-            j.tenant != tenant for j in (*self.queue, *self.running)
-        )
-        return limit - kept if others else limit
+        for t in [t for t, at in self._seen.items() if now - at > ACTIVE_S]:
+            del self._seen[t]  # only recent arrivals count (and the map stays small)
+        if kept == 0:
+            return lambda tenant: limit
+        active = {*self._seen, *(j.tenant for j in self.queue), *(j.tenant for j in self.running)}
+        return lambda tenant: limit - kept if active - {tenant} else limit
 
     def _fits(self, adapters: set[str], job: Job) -> bool:
         """Whether `job`'s adapters can join a call holding `adapters` (names)."""
@@ -224,9 +230,7 @@ class Scheduler:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
-            batch = self.gather()
-            joined = joins is not None and joins(batch)
-            batch = self.gather(joined) if joined else batch
+            batch, joined = self._gathered(joins)
             while (images := sum(len(j.rows) for j in batch)) < self.batching.max_batch_images:
                 wait_until = self.fill_deadline(batch, images, joined)
                 if time.perf_counter() >= wait_until:
@@ -238,7 +242,7 @@ class Scheduler:
                     pass
                 if not self.queue:
                     break
-                batch = self.gather(joined)
+                batch, joined = self._gathered(joins)
             if not self.queue:
                 continue
             now = time.perf_counter()
@@ -252,6 +256,12 @@ class Scheduler:
             self.running = list(batch)
             return batch
 
+    def _gathered(self, joins: Callable[[list[Job]], bool] | None) -> tuple[list[Job], bool]:
+        """`gather()`, and whether the batch runs joined (then gathered with tenants' shares)."""
+        batch = self.gather()
+        joined = joins is not None and joins(batch)
+        return (self.gather(shared=True) if joined else batch), joined
+
     def take_joiners(
         self,
         join_key: Hashable,
@@ -261,16 +271,21 @@ class Scheduler:
     ) -> list[Job]:
         """Queued jobs of `join_key` that join a running call now (step-level joining), oldest first,
         marked running: at most `room` images, and none past an older job that cannot join
-        (a request of another kind waits for the call to drain, not for ever). `held`: the
-        call's rows by tenant; a job that would take its tenant past its `share` is passed
-        over (and added to `held` when taken)."""
-        out = []
+        (a request of another kind, or larger than its tenant's `share`, waits for the call to
+        drain, not for ever). `held`: the call's rows by tenant, added to as jobs are taken; a
+        job that would take its tenant past its share is passed over, and its tenant's later
+        jobs with it (they never overtake it)."""
+        out: list[Job] = []
         held = collections.Counter() if held is None else held
+        share, passed = self._shares(), set()
         for job in list(self.queue):
-            if held[job.tenant] + len(job.rows) > self.share(job.tenant):
+            if job.tenant in passed:
                 continue
-            if job.join_key != join_key or len(job.rows) > room or not fits(job):
+            if job.join_key != join_key or len(job.rows) > min(room, share(job.tenant)) or not fits(job):
                 break
+            if held[job.tenant] + len(job.rows) > share(job.tenant):
+                passed.add(job.tenant)
+                continue
             held[job.tenant] += len(job.rows)
             self.queue.remove(job)
             self._vtime = max(self._vtime, job.start_tag)
