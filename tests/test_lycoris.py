@@ -130,3 +130,14 @@ def test_a_lycoris_file_that_cannot_be_read_as_a_lora_is_refused_naming_the_modu
         e.read_lora(str(tmp_path / "tucker.safetensors"))
     with pytest.raises(LoraError, match="lora_unet_x: a LoKr module needs lokr_w2"):
         e.read_lora(str(tmp_path / "half.safetensors"))
+
+
+def test_the_lycoris_maker_writes_files_that_load_and_change_the_image(tmp_path):
+    from serve_app.tools.lora import main as lora_main
+
+    e = DiffusionEngine(ModelConfig(source="builtin:tiny-sd", device="cpu", warmup=False))
+    base = pixels(e)[0]
+    for kind in ("loha", "lokr"):
+        lora_main(["make", "--kind", kind, "--out", str(tmp_path / f"{kind}.safetensors")])
+        e.load_lora(kind, str(tmp_path / f"{kind}.safetensors"))
+        assert np.abs(pixels(e, loras=((kind, 1.0),))[0] - base).max() > 10, kind

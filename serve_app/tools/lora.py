@@ -4,6 +4,7 @@ trained one, and an adapter file rewritten in the kohya (A1111) layout.
     python -m serve_app.lora make --out adapters/red.safetensors --seed 1   # an adapter for builtin:tiny-sd
     python -m serve_app.lora green --out adapters/green.safetensors       # builtin:shapes' trained one
     python -m serve_app.lora kohya adapters/red.safetensors --out adapters/red-kohya.safetensors --alpha 2
+    python -m serve_app.lora make --kind loha --out adapters/red-loha.safetensors  # LyCORIS, kohya's layout
 
 (`python -m serve_app.tools.lora` is the same command.) The files are written by
 `serve_app.formats.lora`; this module draws the weights, on the embedded model they adapt.
@@ -88,6 +89,41 @@ def _base_pipe(model: str):
     return build_builtin(model, seed=0)
 
 
+def make_lycoris(out: str, kind: str = "loha", seed: int = 0, rank: int = 4, model: str = "tiny-sd") -> Path:
+    """Write a LyCORIS adapter (`loha`, or `lokr` with a whole 4x4 first factor and a rank-`rank`
+    second) for a UNet model's attention projections in kohya's layout, weights drawn from
+    `seed`, `alpha` 2 * rank."""
+    import torch
+    from safetensors.torch import save_file
+
+    prefix, base = _base_denoiser(model)
+    if prefix != "unet":
+        raise ValueError("LyCORIS adapters are written for UNet models (kohya's lora_unet_ names)")
+    g, state = torch.Generator().manual_seed(seed), {}
+    targets = ("to_q", "to_k", "to_v", "to_out.0")
+    for name, module in base.named_modules():
+        name = name.removesuffix(".base_layer")  # `make_adapter` may have wrapped it (peft)
+        if not (isinstance(module, torch.nn.Linear) and name.endswith(targets)):
+            continue
+        out_f, in_f = module.weight.shape
+        draw = lambda *shape: torch.randn(*shape, generator=g) * 0.3  # noqa: E731
+        key = "lora_unet_" + name.replace(".", "_")
+        if kind == "loha":
+            parts = {"hada_w1_a": draw(out_f, rank), "hada_w1_b": draw(rank, in_f),
+                     "hada_w2_a": draw(out_f, rank), "hada_w2_b": draw(rank, in_f)}  # fmt: skip
+        else:
+            parts = {
+                "lokr_w1": draw(4, 4),
+                "lokr_w2_a": draw(out_f // 4, rank),
+                "lokr_w2_b": draw(rank, in_f // 4),
+            }
+        state.update({f"{key}.{k}": v for k, v in parts.items()})
+        state[f"{key}.alpha"] = torch.tensor(2.0 * rank)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    save_file(state, out)
+    return Path(out)
+
+
 def _base_denoiser(model: str):
     """The denoiser adapters are shaped for, with its key prefix ("unet" or "transformer")."""
     pipe = _base_pipe(model)
@@ -103,6 +139,9 @@ def main(argv: list[str] | None = None) -> None:
     mk.add_argument("--seed", type=int, default=0)
     mk.add_argument("--rank", type=int, default=4)
     mk.add_argument("--model", default="tiny-sd")
+    mk.add_argument(
+        "--kind", choices=["lora", "loha", "lokr"], default="lora", help="LyCORIS: kohya's layout"
+    )
     green = sub.add_parser("green", help="copy builtin:shapes' trained adapter (paints shapes green)")
     green.add_argument("--out", required=True)
     ko = sub.add_parser("kohya", help="rewrite a diffusers/peft adapter file in the kohya (A1111) layout")
@@ -122,6 +161,9 @@ def main(argv: list[str] | None = None) -> None:
 
         Path(a.out).parent.mkdir(parents=True, exist_ok=True)
         print(shutil.copyfile(GREEN_LORA, a.out))
+        return
+    if a.kind != "lora":
+        print(make_lycoris(a.out, a.kind, seed=a.seed, rank=a.rank, model=a.model))
         return
     print(make_adapter(a.out, seed=a.seed, rank=a.rank, model=a.model))
 
