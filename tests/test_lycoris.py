@@ -52,13 +52,13 @@ def test_each_module_is_written_as_the_lora_of_its_exact_update():
     g = torch.Generator().manual_seed(0)
     for make, shape in ((loha, (64, 64)), (loha, (64, 32, 3, 3)), (lokr, (64, 64)), (lokr, (64, 32, 3, 3))):
         parts, delta = make(shape, 4, 2.0, g)
-        lora = as_lora({f"m.{k}": v for k, v in parts.items()}, {"m": shape})
-        up, down = lora["m.lora_up.weight"], lora["m.lora_down.weight"]
-        assert float(lora["m.alpha"]) == down.shape[0]  # alpha = rank: the update as it is
+        lora = as_lora({f"lora_m.{k}": v for k, v in parts.items()}, {"lora_m": shape})
+        up, down = lora["lora_m.lora_up.weight"], lora["lora_m.lora_down.weight"]
+        assert float(lora["lora_m.alpha"]) == down.shape[0]  # alpha = rank: the update as it is
         assert torch.allclose((up.flatten(1) @ down.flatten(1)).reshape(shape), delta, atol=1e-5), make
     parts, delta = lokr((64, 64), 4, 2.0, g, whole_w2=True)  # both whole: no alpha / r
-    lora = as_lora({f"m.{k}": v for k, v in parts.items()})
-    assert torch.allclose(lora["m.lora_up.weight"] @ lora["m.lora_down.weight"], delta, atol=1e-5)
+    lora = as_lora({f"unet.m.{k}": v for k, v in parts.items()})  # PEFT's names: lora_B, lora_A
+    assert torch.allclose(lora["unet.m.lora_B.weight"] @ lora["unet.m.lora_A.weight"], delta, atol=1e-5)
     with pytest.raises(ValueError, match="m: a Tucker-decomposed convolution"):
         as_lora({"m.hada_t1": torch.zeros(1), "m.hada_w1_a": torch.zeros(1)})
 
@@ -141,3 +141,40 @@ def test_the_lycoris_maker_writes_files_that_load_and_change_the_image(tmp_path)
         lora_main(["make", "--kind", kind, "--out", str(tmp_path / f"{kind}.safetensors")])
         e.load_lora(kind, str(tmp_path / f"{kind}.safetensors"))
         assert np.abs(pixels(e, loras=((kind, 1.0),))[0] - base).max() > 10, kind
+
+
+@pytest.mark.parametrize("kind", ["LoHa", "LoKr"])
+def test_a_peft_loha_or_lokr_directory_makes_the_image_of_peft_s_own_merge(kind, tmp_path):
+    # PEFT's layout: an adapter directory written from PEFT's own LoHa/LoKr layers (attention
+    # and a convolution, alpha 8 at r 4); the reference is PEFT's merge of the same layers.
+    import copy
+    import json
+
+    import peft
+
+    e = DiffusionEngine(ModelConfig(source="builtin:tiny-sd", device="cpu", warmup=False))
+    base = pixels(e)[0]
+    config = getattr(peft, f"{kind}Config")(
+        r=4, alpha=8, target_modules=["to_q", "to_v", CONV], init_weights=False
+    )
+    torch.manual_seed(3)
+    adapted = peft.inject_adapter_in_model(config, copy.deepcopy(e.pipe.unet))
+    with torch.no_grad():  # PEFT's random init changes the image too little to tell
+        for name, p in adapted.named_parameters():
+            if "hada_" in name or "lokr_" in name:
+                p.mul_(3)
+    state = {f"base_model.model.{k}": v for k, v in peft.get_peft_model_state_dict(adapted).items()}
+    (tmp_path / kind).mkdir()
+    save_file(state, str(tmp_path / kind / "adapter_model.safetensors"))
+    (tmp_path / kind / "adapter_config.json").write_text(json.dumps(config.to_dict(), default=str))
+    e.load_lora("x", str(tmp_path / kind))
+    got = pixels(e, loras=(("x", 1.0),))[0]
+    for module in adapted.modules():
+        if isinstance(module, peft.tuners.lycoris_utils.LycorisLayer):
+            module.merge()
+    merged_weights = {k.replace(".base_layer", ""): v for k, v in adapted.state_dict().items()
+                      if "hada_" not in k and "lokr_" not in k}  # fmt: skip
+    reference = DiffusionEngine(ModelConfig(source="builtin:tiny-sd", device="cpu", warmup=False))
+    reference.pipe.unet.load_state_dict(merged_weights)
+    want = pixels(reference)[0]
+    assert np.abs(got - want).max() <= 1 and np.abs(got - base).max() > 10

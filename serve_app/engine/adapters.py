@@ -110,38 +110,50 @@ def row_adapter_sets(rows: Sequence[Row], params: CallParams) -> list[tuple[tupl
 
 def _conv_shapes(pipe) -> dict[str, tuple[int, ...]]:
     """The weight shapes of the denoiser's convolutions by their kohya names (`lora_unet_` and the
-    module's path with `_` for `.`), so a LyCORIS update of one becomes a convolution's LoRA."""
-    prefix = "lora_unet_" if denoiser_name(pipe) == "unet" else "lora_transformer_"
-    return {  # a layer with adapters installed holds the convolution as its `base_layer`
-        prefix + name.removesuffix(".base_layer").replace(".", "_"): tuple(m.weight.shape)
-        for name, m in find_denoiser(pipe).named_modules()
-        if isinstance(m, torch.nn.Conv2d)
-    }
+    module's path with `_` for `.`) and by PEFT's (`unet.` and the path), so a LyCORIS update of
+    one becomes a convolution's LoRA."""
+    kohya = "lora_unet_" if denoiser_name(pipe) == "unet" else "lora_transformer_"
+    out = {}
+    for name, m in find_denoiser(pipe).named_modules():
+        if isinstance(m, torch.nn.Conv2d):
+            name = name.removesuffix(".base_layer")  # a layer with adapters holds it so
+            out[kohya + name.replace(".", "_")] = out[f"{denoiser_name(pipe)}.{name}"] = tuple(m.weight.shape)
+    return out
 
 
 def _adapter_weights(pipe, path: str) -> dict[str, torch.Tensor]:
     """An adapter's weights under the pipeline's key names. A PEFT directory's keys lose
     PEFT's `base_model.model.` and gain the denoiser's prefix, and its `lora_alpha / r` is
-    folded into the B weights (diffusers loads a plain state dict at alpha = r)."""
+    folded into the B weights (diffusers loads a plain state dict at alpha = r). A PEFT LoHa
+    directory's modules get its `alpha` (`lycoris` scales by alpha / r, as PEFT does); a PEFT
+    LoKr's `alpha / r` is folded into its first factor (PEFT scales every LoKr module so, where
+    LyCORIS's files scale only decomposed ones)."""
     from safetensors.torch import load_file
 
     folder = Path(path)
     if not folder.is_dir():
         return load_file(path)
     config = json.loads((folder / "adapter_config.json").read_text())
-    if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
-        raise LoraError(f"{path}: a {config.get('peft_type')} adapter (or DoRA); only plain LoRA is loaded")
+    kind = config.get("peft_type", "LORA")
+    if kind not in ("LORA", "LOHA", "LOKR") or config.get("use_dora"):
+        raise LoraError(f"{path}: a {kind} adapter (or DoRA); LoRA, LoHa and LoKr are loaded")
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise LoraError(f"{path}: per-layer ranks or alphas (rank_pattern, alpha_pattern) are not loaded")
     r = config.get("r")
     if not isinstance(r, int) or r < 1:
         raise LoraError(f"{path}: adapter_config.json has no rank r")
-    factor = float(config.get("lora_alpha", r)) / r
+    factor = float(config.get("lora_alpha" if kind == "LORA" else "alpha", r)) / r
     prefix = "unet" if getattr(pipe, "unet", None) is not None else "transformer"
     out = {}
     for key, value in load_file(str(folder / "adapter_model.safetensors")).items():
         key = key.removeprefix("base_model.model.")
-        if "lora_B" in key and factor != 1.0:
+        key = key if key.startswith(f"{prefix}.") else f"{prefix}.{key}"
+        part = key.rsplit(".", 1)[-1]
+        if kind == "LORA" and "lora_B" in key and factor != 1.0:
             value = value * factor
-        out[key if key.startswith(f"{prefix}.") else f"{prefix}.{key}"] = value
+        elif kind == "LOKR" and part in ("lokr_w1", "lokr_w1_a"):
+            value = value * factor
+        elif kind == "LOHA" and part == "hada_w1_a":
+            out[key.rsplit(".", 1)[0] + ".alpha"] = torch.tensor(factor * r)
+        out[key] = value
     return out

@@ -36,7 +36,8 @@ def algorithms(state: dict[str, torch.Tensor]) -> list[str]:
 def as_lora(state: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]] | None = None) -> dict:
     """`state` with each LoHa or LoKr module (kohya's `<module>.hada_*` / `<module>.lokr_*` and
     `.alpha`) replaced by the kohya LoRA of the same update (`lora_down`, `lora_up`, `alpha` =
-    its rank); other keys are kept. `shapes`: the base weight's shape by module name where known,
+    its rank), or, for a module under PEFT's names (not `lora_...`), by PEFT's LoRA keys
+    (`lora_A`, `lora_B`); other keys are kept. `shapes`: the base weight's shape by module name where known,
     so a convolution's LoRA gets its kernel's shape (else a flattened update is read as a linear
     layer's). LycorisError for a module that cannot be written so."""
     modules: dict[str, dict[str, torch.Tensor]] = {}
@@ -56,9 +57,13 @@ def as_lora(state: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]] |
         shape = (shapes or {}).get(module)
         if shape is not None and len(shape) == 4:  # a convolution: its kernel on the down side
             down, up = down.reshape(down.shape[0], *shape[1:]), up[:, :, None, None]
-        out[f"{module}.lora_up.weight"] = up.contiguous()
-        out[f"{module}.lora_down.weight"] = down.contiguous()
-        out[f"{module}.alpha"] = torch.tensor(float(down.shape[0]))
+        if module.startswith("lora_"):  # kohya's names, and alpha = rank: the update as it is
+            out[f"{module}.lora_up.weight"] = up.contiguous()
+            out[f"{module}.lora_down.weight"] = down.contiguous()
+            out[f"{module}.alpha"] = torch.tensor(float(down.shape[0]))
+        else:  # PEFT's (a directory's), which diffusers loads at alpha = rank
+            out[f"{module}.lora_B.weight"] = up.contiguous()
+            out[f"{module}.lora_A.weight"] = down.contiguous()
     return out
 
 
