@@ -72,6 +72,29 @@ class FinishedRecord:
     error: str | None = None
 
 
+class _Arrivals:
+    """When each tenant last sent a request, and from it each tenant's share of a joined call."""
+
+    def __init__(self):
+        self.seen: dict[str, float] = {}
+
+    def shares(self, batching: BatchingConfig, jobs: list[Job]) -> Callable[[str], int]:
+        """Each tenant's share: all of a joined call's rows, less `rows_kept_for_others` while
+        another tenant is active (a request of its among `jobs`, queued or running, or one sent
+        in the last `ACTIVE_S`), so that tenant's next request finds a row free at the next
+        step instead of waiting for the call's rows to free up. The active tenants are found
+        once: a call looks at many jobs."""
+        limit = batching.max_batch_images
+        kept = min(batching.rows_kept_for_others, limit - 1)
+        now = time.perf_counter()
+        for t in [t for t, at in self.seen.items() if now - at > ACTIVE_S]:
+            del self.seen[t]  # only recent arrivals count (and the map stays small)
+        if kept == 0:
+            return lambda tenant: limit
+        active = {*self.seen, *(j.tenant for j in jobs)}
+        return lambda tenant: limit - kept if active - {tenant} else limit
+
+
 @dataclass(frozen=True)
 class _LastCall:
     key: Hashable
@@ -98,7 +121,7 @@ class Scheduler:
         # did, and a request is alone (a lone client), so it waits for no company.
         self._clustered: collections.deque[bool] = collections.deque(maxlen=4)
         self._last_arrival = float("-inf")
-        self._seen: dict[str, float] = {}  # each tenant's last request, when it came
+        self._arrivals = _Arrivals()
         self._wakeup = asyncio.Event()
         self._on_retire = on_retire
         # Start-time fair queueing: a job's start tag is the later of the virtual time (the tag
@@ -129,7 +152,7 @@ class Scheduler:
         self.jobs[job.ident] = job
         self._clustered.append(job.enqueued - self._last_arrival <= self.batching.batch_gap_ms / 1e3)
         self._last_arrival = job.enqueued
-        self._seen[job.tenant] = job.enqueued
+        self._arrivals.seen[job.tenant] = job.enqueued
         self._wakeup.set()
 
     def queue_length(self) -> int:
@@ -163,23 +186,11 @@ class Scheduler:
         return batch
 
     def share(self, tenant: str) -> int:
-        """The most rows of a joined call `tenant`'s requests may hold: all of them, less
-        `rows_kept_for_others` while another tenant is active (a request queued or running,
-        or one sent in the last `ACTIVE_S`), so that tenant's next request finds a row free at
-        the next step instead of waiting for the call's rows to free up."""
+        """The most rows of a joined call `tenant`'s requests may hold (`_Arrivals.shares`)."""
         return self._shares()(tenant)
 
     def _shares(self) -> Callable[[str], int]:
-        """`share` of each tenant, the active tenants found once (a call looks at many jobs)."""
-        limit = self.batching.max_batch_images
-        kept = min(self.batching.rows_kept_for_others, limit - 1)
-        now = time.perf_counter()
-        for t in [t for t, at in self._seen.items() if now - at > ACTIVE_S]:
-            del self._seen[t]  # only recent arrivals count (and the map stays small)
-        if kept == 0:
-            return lambda tenant: limit
-        active = {*self._seen, *(j.tenant for j in self.queue), *(j.tenant for j in self.running)}
-        return lambda tenant: limit - kept if active - {tenant} else limit
+        return self._arrivals.shares(self.batching, [*self.queue, *self.running])
 
     def _fits(self, adapters: set[str], job: Job) -> bool:
         """Whether `job`'s adapters can join a call holding `adapters` (names)."""
@@ -270,11 +281,10 @@ class Scheduler:
         held: collections.Counter | None = None,
     ) -> list[Job]:
         """Queued jobs of `join_key` that join a running call now (step-level joining), oldest first,
-        marked running: at most `room` images, and none past an older job that cannot join
-        (a request of another kind, or larger than its tenant's `share`, waits for the call to
-        drain, not for ever). `held`: the call's rows by tenant, added to as jobs are taken; a
-        job that would take its tenant past its share is passed over, and its tenant's later
-        jobs with it (they never overtake it)."""
+        marked running: at most `room` images, none past an older job that cannot join (of another
+        kind, or larger than its tenant's `share`: it waits for the call to drain, not for ever).
+        `held`: the call's rows by tenant, added to as jobs are taken; a job that would take its
+        tenant past its share is passed over, and its tenant's later jobs with it."""
         out: list[Job] = []
         held = collections.Counter() if held is None else held
         share, passed = self._shares(), set()
