@@ -122,6 +122,13 @@ def engine_cache(**model: object):
             e.close()
 
 
+def replica_ids(client, prefix: str = "") -> list[str]:
+    """The ids of the app's image replicas (`/v1/status`): the same after hostile requests when
+    none of them restarted a replica."""
+    st = client.get(f"{prefix}/v1/status").json()
+    return sorted(r["replica_id"] for m in st["models"] for r in m["replicas"])
+
+
 def wait_for(pred, timeout: float = 60.0, interval: float = 0.05):
     """Poll `pred` until it returns something truthy; return that, or fail after `timeout` s."""
     end = time.monotonic() + timeout

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import time
 
 import httpx
@@ -117,22 +118,35 @@ def test_a_joined_run_starts_at_once_and_a_whole_call_waits_its_window():
     loop.close()
 
 
+@contextlib.contextmanager
+def direct_replica(extension: str):
+    """A replica of tiny-sd at 32 px with `serve_app.testing:<extension>`, joining, in this
+    process (no Ray), and an event loop to drive it; the replica's loop stopped after."""
+    model = {"source": "builtin:tiny-sd", "device": "cpu", "default_height": 32, "default_width": 32,
+             "warmup": False, "engine_extension": f"serve_app.testing:{extension}"}  # fmt: skip
+    r = DiffusionReplica(model, {"max_batch_images": 4, "step_joining": True})
+    loop = asyncio.new_event_loop()
+    try:
+        yield r, loop
+    finally:
+        r._loop_task.cancel()
+        loop.run_until_complete(asyncio.gather(r._loop_task, return_exceptions=True))
+        loop.close()
+
+
+def prepared(rid: str, steps: int, prompt: str = "a boat", tenant: str = "default") -> PreparedRequest:
+    return PreparedRequest.from_request(
+        GenerationRequest(prompt=prompt, request_id=rid), request_id=rid, seed=1, height=32, width=32,
+        steps=steps, guidance_scale=7.5, tenant=tenant,
+    )  # fmt: skip
+
+
 def test_the_engine_thread_steps_a_joined_run_while_the_event_loop_is_busy():
     # The replica's event loop held for half a second (a slow result to encode, say) must not
     # stop the device: the engine thread steps the joined run on, and the loop's work (answers,
     # joiners) waits instead. Counted in denoiser calls made while the loop was held.
-    model = {"source": "builtin:tiny-sd", "device": "cpu", "default_height": 32, "default_width": 32,
-             "warmup": False, "engine_extension": "serve_app.testing:GpuShaped"}  # fmt: skip
-    r = DiffusionReplica(model, {"max_batch_images": 4, "step_joining": True})
-    r.engine.set_gpu_shape(10, 0)
-    loop = asyncio.new_event_loop()
-    request = PreparedRequest.from_request(
-        GenerationRequest(prompt="a boat", request_id="held"), request_id="held", seed=1, height=32,
-        width=32, steps=80, guidance_scale=7.5,
-    )  # fmt: skip
-
-    async def go() -> tuple[int, int]:
-        task = asyncio.ensure_future(r.generate(request))
+    async def go(r) -> tuple[int, int]:
+        task = asyncio.ensure_future(r.generate(prepared("held", 80)))
         while not r.engine.denoiser_rows:
             await asyncio.sleep(0.005)
         before = len(r.engine.denoiser_rows)
@@ -141,12 +155,9 @@ def test_the_engine_thread_steps_a_joined_run_while_the_event_loop_is_busy():
         out = await task
         return during, out.metrics.steps
 
-    try:
-        during, steps = loop.run_until_complete(go())
-    finally:
-        r._loop_task.cancel()
-        loop.run_until_complete(asyncio.gather(r._loop_task, return_exceptions=True))
-        loop.close()
+    with direct_replica("GpuShaped") as (r, loop):
+        r.engine.set_gpu_shape(10, 0)
+        during, steps = loop.run_until_complete(go(r))
     assert steps == 80
     assert during >= 15, during  # about 40 at 10 ms a step; a step per loop turn made 1
 
@@ -156,26 +167,11 @@ def test_injected_faults_reach_joined_calls_too():
     # which joins by default, can be tested for its faults the same way.
     from serve_app.errors import OutOfMemory
 
-    model = {"source": "builtin:tiny-sd", "device": "cpu", "default_height": 32, "default_width": 32,
-             "warmup": False, "engine_extension": "serve_app.testing:FaultInjection"}  # fmt: skip
-    r = DiffusionReplica(model, {"max_batch_images": 4, "step_joining": True})
-    loop = asyncio.new_event_loop()
-
-    def request(prompt: str, rid: str) -> PreparedRequest:
-        return PreparedRequest.from_request(
-            GenerationRequest(prompt=prompt, request_id=rid), request_id=rid, seed=1, height=32, width=32,
-            steps=2, guidance_scale=7.5,
-        )  # fmt: skip
-
-    try:
+    with direct_replica("FaultInjection") as (r, loop):
         with pytest.raises(OutOfMemory):
-            loop.run_until_complete(r.generate(request("[[inject-oom]] a boat", "oom")))
-        out = loop.run_until_complete(r.generate(request("a boat", "fine")))
+            loop.run_until_complete(r.generate(prepared("oom", 2, "[[inject-oom]] a boat")))
+        out = loop.run_until_complete(r.generate(prepared("fine", 2)))
         assert out.metrics.steps == 2 and r.stats().healthy
-    finally:
-        r._loop_task.cancel()
-        loop.run_until_complete(asyncio.gather(r._loop_task, return_exceptions=True))
-        loop.close()
 
 
 def test_a_joined_run_keeps_a_row_for_another_active_tenant():
@@ -183,19 +179,10 @@ def test_a_joined_run_keeps_a_row_for_another_active_tenant():
     # active (it sent a request a moment ago): a's requests hold at most 3 rows of the run, so
     # b's next short request joins at the next step and is done before any of a's, instead of
     # waiting for a's first 4 to leave together. Counted in rows and completions, not timed.
-    model = {"source": "builtin:tiny-sd", "device": "cpu", "default_height": 32, "default_width": 32,
-             "warmup": False, "engine_extension": "serve_app.testing:GpuShaped"}  # fmt: skip
-    r = DiffusionReplica(model, {"max_batch_images": 4, "step_joining": True})
-    r.engine.set_gpu_shape(5, 0)
-    loop = asyncio.new_event_loop()
-
     def request(tenant: str, rid: str, steps: int) -> PreparedRequest:
-        return PreparedRequest.from_request(
-            GenerationRequest(prompt=f"a boat {rid}", request_id=rid), request_id=rid, seed=1, height=32,
-            width=32, steps=steps, guidance_scale=7.5, tenant=tenant,
-        )  # fmt: skip
+        return prepared(rid, steps, f"a boat {rid}", tenant)
 
-    async def go() -> tuple[int, list[int]]:
+    async def go(r) -> tuple[int, list[int]]:
         await r.generate(request("b", "b-first", 1))
         flood = [asyncio.ensure_future(r.generate(request("a", f"a{k}", 30))) for k in range(8)]
         while len(r.engine.denoiser_rows) < 3:
@@ -206,12 +193,9 @@ def test_a_joined_run_keeps_a_row_for_another_active_tenant():
         await asyncio.gather(*flood)
         return a_done, rows_before_b
 
-    try:
-        a_done, rows_before_b = loop.run_until_complete(go())
-    finally:
-        r._loop_task.cancel()
-        loop.run_until_complete(asyncio.gather(r._loop_task, return_exceptions=True))
-        loop.close()
+    with direct_replica("GpuShaped") as (r, loop):
+        r.engine.set_gpu_shape(5, 0)
+        a_done, rows_before_b = loop.run_until_complete(go(r))
     assert max(rows_before_b[1:]) == 6  # a's 3 images with guidance, one image's rows kept
     assert a_done == 0
 

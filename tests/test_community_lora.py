@@ -21,7 +21,7 @@ from serve_app.engine.adapters import read_adapter
 from serve_app.formats.lora import to_kohya
 from serve_app.tools.lora import main as lora_main
 from serve_app.tools.lora import make_adapter
-from tests.conftest import ADAPTER_DIR, SESSION_DIR, engine_cache
+from tests.conftest import ADAPTER_DIR, SESSION_DIR, engine_cache, replica_ids
 
 PROMPT = "a red circle"
 RANK, ALPHA = 4, 2.0
@@ -114,11 +114,7 @@ def test_kohya_adapters_register_and_serve_over_http(adapters, client):
     """`POST /v1/loras` takes a kohya file; its image is the diffusers-layout twin's. A file cut
     short and a pickle named `.safetensors` are 400s naming `path`, and the replica stays."""
 
-    def replica_ids():
-        st = client.get("/v1/status").json()
-        return sorted(r["replica_id"] for m in st["models"] for r in m["replicas"])
-
-    before = replica_ids()
+    before = replica_ids(client)
     names = ("cl-both", "cl-both-kohya")
     try:
         for name in names:
@@ -135,7 +131,7 @@ def test_kohya_adapters_register_and_serve_over_http(adapters, client):
             err = r.json()["error"]
             assert r.status_code == 400 and err["param"] == "path", r.text
             assert f"'{name}.safetensors' {message}" in err["message"] and str(SESSION_DIR) not in r.text, err
-        assert replica_ids() == before
+        assert replica_ids(client) == before
     finally:
         for name in names:
             client.delete(f"/v1/loras/{name}")

@@ -22,6 +22,7 @@ from serve_app.engine import CallParams, DiffusionEngine, ModelLoadError, Row
 from serve_app.engine.builtin import build_builtin
 from serve_app.formats.layouts import GGUF_TYPES, FileRefused, file_layout, gguf_keys
 from serve_app.tools.single_file import main as write_main
+from tests.conftest import replica_ids
 
 PROMPT = "a red circle"
 # Stated bounds: the PSNR (8-bit pixels, 32x32, 3 steps) of each type's image against the
@@ -184,11 +185,7 @@ def test_gguf_files_are_served_as_the_model_and_as_a_pools_checkpoints(files, ap
         torch.set_num_threads(threads)
     assert psnr(served, want) >= PSNR_AT_LEAST["Q4_0"]
 
-    def replica_ids():
-        st = client.get(f"{prefix}/v1/status").json()
-        return sorted(r["replica_id"] for m in st["models"] for r in m["replicas"])
-
-    before = replica_ids()
+    before = replica_ids(client, prefix)
     add = client.post(f"{prefix}/v1/checkpoints", json={"name": "one", "source": str(files / "flux-1.gguf")})
     assert add.status_code == 200, add.text
     one = png(client.post(f"{prefix}/v1/images/generations", json={**body, "model": "one"}))
@@ -200,4 +197,4 @@ def test_gguf_files_are_served_as_the_model_and_as_a_pools_checkpoints(files, ap
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "source" and message in err["message"], (name, err)
         assert str(files) not in r.text, err
-    assert replica_ids() == before
+    assert replica_ids(client, prefix) == before

@@ -26,7 +26,7 @@ from serve_app.formats.layouts import checkpoint_layout
 from serve_app.formats.single_file_load import write_configs
 from serve_app.formats.single_file_write import write_single_file
 from serve_app.tools.single_file import main as write_main
-from tests.conftest import app_args, engine_cache
+from tests.conftest import app_args, engine_cache, replica_ids
 from tests.conftest import deploy as deploy_app
 
 PROMPT = "a red circle"
@@ -228,11 +228,7 @@ def test_single_files_are_served_as_the_model_and_as_a_pools_checkpoints(
     assert (mine == png(client.post("/v1/images/generations", json=body))).all()
     assert client.get(f"{prefix}/v1/models").json()["data"][0]["id"] == "tiny-sd"
 
-    def replica_ids():
-        st = client.get(f"{prefix}/v1/status").json()
-        return sorted(r["replica_id"] for m in st["models"] for r in m["replicas"])
-
-    before = replica_ids()
+    before = replica_ids(client, prefix)
     add = client.post(
         f"{prefix}/v1/checkpoints", json={"name": "one", "source": str(files / "tiny-sd-1.safetensors")}
     )
@@ -267,7 +263,7 @@ def test_single_files_are_served_as_the_model_and_as_a_pools_checkpoints(
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == "source" and message in err["message"], (name, err)
         assert str(files) not in r.text, err
-    assert replica_ids() == before
+    assert replica_ids(client, prefix) == before
     listed = {c["name"] for c in client.get(f"{prefix}/v1/checkpoints").json()["checkpoints"]}
     assert listed == {"one"}
     assert json.loads((tmp_path / "checkpoints.json").read_text()).keys() == {"one"}
