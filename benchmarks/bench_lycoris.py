@@ -1,11 +1,12 @@
-"""LyCORIS adapters per row against plain LoRA, in one run (one engine in this process).
+"""LyCORIS and DoRA adapters per row against plain LoRA, in one run (one engine in this process).
 
     python benchmarks/bench_lycoris.py                       # builtin:tiny-sd on the CPU
     python benchmarks/bench_lycoris.py --model sd15-arch --device cuda --size 512 --steps 20
 
 A call of `--rows` images, each row with its own adapter of one kind (its per-row deltas beside
 the shared base layers, `serve_app.engine.row_lora`): plain LoRA of rank r, LoHa of rank r (read
-as a LoRA of rank r * r) and LoKr (a whole 4x4 factor and a rank-r one: a LoRA of rank 4 r), on
+as a LoRA of rank r * r), LoKr (a whole 4x4 factor and a rank-r one: a LoRA of rank 4 r) and
+DoRA (a LoRA of rank r and a magnitude per output: its gains are computed once per call), on
 the UNet's attention projections, and the same call without adapters. Prints each kind's call
 time against LoRA's (the median of `--rounds`), and writes JSON (`--out`).
 """
@@ -41,7 +42,7 @@ def main() -> None:
     engine = DiffusionEngine(ModelConfig(source=f"builtin:{a.model}", device=a.device, warmup=False))
     params = CallParams(height=a.size, width=a.size, steps=a.steps, guidance_scale=7.5)
     root = Path(tempfile.mkdtemp(prefix="bench-lycoris-"))
-    for kind in ("lora", "loha", "lokr"):
+    for kind in ("lora", "loha", "lokr", "dora"):
         for k in range(a.rows):
             path = str(root / f"{kind}{k}.safetensors")
             if kind == "lora":
@@ -61,17 +62,18 @@ def main() -> None:
             times.append(time.perf_counter() - t)
         return statistics.median(times)
 
-    secs = {kind or "none": call_s(kind) for kind in ("lora", "loha", "lokr", None)}
+    secs = {kind or "none": call_s(kind) for kind in ("lora", "loha", "lokr", "dora", None)}
     res = {
         "model": a.model, "device": a.device, "size": a.size, "steps": a.steps,
         "rows": a.rows, "rank": a.rank,
         "call_s": {k: round(v, 4) for k, v in secs.items()},
         "loha_vs_lora": round(secs["loha"] / secs["lora"], 3),
         "lokr_vs_lora": round(secs["lokr"] / secs["lora"], 3),
+        "dora_vs_lora": round(secs["dora"] / secs["lora"], 3),
         "lora_vs_none": round(secs["lora"] / secs["none"], 3),
     }  # fmt: skip
     print(f"{a.rows} rows, each its own adapter of rank {a.rank}: {a.model}, {a.size} px, {a.steps} steps")
-    for k in ("loha_vs_lora", "lokr_vs_lora", "lora_vs_none"):
+    for k in ("loha_vs_lora", "lokr_vs_lora", "dora_vs_lora", "lora_vs_none"):
         print(f"  {k}: {res[k]} (call time)")
     write_json(res, a.out)
 

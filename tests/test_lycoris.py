@@ -137,7 +137,7 @@ def test_the_lycoris_maker_writes_files_that_load_and_change_the_image(tmp_path)
 
     e = DiffusionEngine(ModelConfig(source="builtin:tiny-sd", device="cpu", warmup=False))
     base = pixels(e)[0]
-    for kind in ("loha", "lokr"):
+    for kind in ("loha", "lokr", "dora"):
         lora_main(["make", "--kind", kind, "--out", str(tmp_path / f"{kind}.safetensors")])
         e.load_lora(kind, str(tmp_path / f"{kind}.safetensors"))
         assert np.abs(pixels(e, loras=((kind, 1.0),))[0] - base).max() > 10, kind

@@ -1,6 +1,7 @@
 """LoRA adapters in a pipeline: reading and checking their files (LyCORIS LoHa and LoKr files are
-read as the exact LoRA they are, `lycoris`), installing and removing them, and putting a set of
-them in force at given scales.
+read as the exact LoRA they are, `lycoris`; DoRA's magnitudes are attached to the LoRA's layers,
+`dora`), installing and removing them, and putting a set of them in force at given scales, for
+a whole call (`InForce`) or per row (`row_hooks`).
 
 Each refusal is a `LoraError` that names the file and says why.
 """
@@ -14,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from serve_app.engine import lycoris
+from serve_app.engine import dora, lycoris
 from serve_app.engine.loading import denoiser_name, find_denoiser
+from serve_app.engine.row_lora import apply_row_adapters
 from serve_app.engine.types import CallParams, LoraError, Row
 
 # Adapters in force: (name, scale) each, in name order, no scale 0; None for the base model.
@@ -48,11 +50,17 @@ def read_adapter(pipe, path: str) -> dict[str, torch.Tensor]:
             state = lycoris.as_lora(state, _conv_shapes(pipe))
         except lycoris.LycorisError as e:
             raise LoraError(f"{path}: {e}") from None
-    ups = [v for k, v in state.items() if _UP_WEIGHT.search(k)]
+    ups = {k: v for k, v in state.items() if _UP_WEIGHT.search(k)}
     if not ups:
         raise LoraError(f"{path}: no LoRA weights in it (no lora up/B tensors)")
-    if all(float(v.abs().max()) == 0 for v in ups):
+    if all(float(v.abs().max()) == 0 for v in ups.values()):
         raise LoraError(f"{path}: every LoRA up/B weight is zero; it would change no layer")
+    modules = {_UP_WEIGHT.sub("", k) for k in ups}
+    for module, m in dora.split(state)[1].items():
+        if module not in modules:
+            raise LoraError(f"{path}: {module}: a DoRA magnitude without the module's LoRA weights")
+        if not bool(torch.isfinite(m).all()):
+            raise LoraError(f"{path}: {module}: its DoRA magnitude is not finite")
     return state
 
 
@@ -60,6 +68,7 @@ def install_adapter(pipe, name: str, path: str, state: dict[str, torch.Tensor]) 
     """Install adapter `name` into `pipe` from `state` (what `read_adapter` gave for `path`), or
     raise LoraError and leave no part of it installed."""
     before = loaded_adapters(pipe)
+    state, magnitudes = dora.split(state)
     try:
         pipe.load_lora_weights(state, adapter_name=name)
     except Exception as e:  # diffusers/peft raise several types on shape or key mismatch
@@ -72,40 +81,89 @@ def install_adapter(pipe, name: str, path: str, state: dict[str, torch.Tensor]) 
     if name not in loaded_adapters(pipe) or loaded_adapters(pipe) == before:
         remove_adapter(pipe, name)
         raise LoraError(f"{path}: its keys match no layer of {type(pipe).__name__}")
+    try:
+        dora.attach(_components(pipe), name, magnitudes, path)
+    except LoraError:
+        remove_adapter(pipe, name)
+        raise
 
 
 def remove_adapter(pipe, name: str) -> None:
     """Remove adapter `name` from `pipe`, if it is installed."""
+    dora.detach(adapted_modules(pipe), name)
     if name in loaded_adapters(pipe):
         pipe.delete_adapters(name)
 
 
-def set_active_adapters(pipe, loras: tuple[tuple[str, float], ...], active: ActiveSet) -> ActiveSet:
-    """Make exactly these adapters active at their scales, in name order (none, or every
-    scale 0: the base model, bit for bit). `active` is what is in force now (nothing is done
-    when it is what `loras` asks for); returns what is in force after."""
-    want = tuple(sorted((n, s) for n, s in loras if s != 0)) or None
-    if want == active:
-        return active
-    if want is None:
-        if loaded_adapters(pipe):
-            pipe.disable_lora()
-    else:
-        pipe.enable_lora()
-        pipe.set_adapters([n for n, _ in want], [s for _, s in want])
-    return want
+class InForce:
+    """The adapter set in force in `pipe` for whole calls (one set for every row).
+
+    A set of plain LoRAs is put in force by PEFT (`set_adapters`); a set with a DoRA adapter
+    by `row_hooks` with that one set, until another set is asked for. `set` does nothing
+    when the set asked for is in force; `forget` makes the next `set` put it in force again
+    (after adapters were installed or removed, or rows set their own)."""
+
+    def __init__(self, pipe):
+        self.pipe = pipe
+        self.active: ActiveSet | tuple[()] = ()  # () unknown, None the base model
+        self._undo = None
+
+    def set(self, loras: tuple[tuple[str, float], ...]) -> None:
+        """Make exactly these adapters active at their scales, in name order (none, or every
+        scale 0: the base model, bit for bit)."""
+        want = tuple(sorted((n, s) for n, s in loras if s != 0)) or None
+        if want == self.active:
+            return
+        self.forget()
+        if want is None:
+            if loaded_adapters(self.pipe):
+                self.pipe.disable_lora()
+        elif dora.uses_dora(adapted_modules(self.pipe), (n for n, _ in want)):
+            self._undo = row_hooks(self.pipe, [want])
+        else:
+            self.pipe.enable_lora()
+            self.pipe.set_adapters([n for n, _ in want], [s for _, s in want])
+        self.active = want
+
+    def forget(self) -> None:
+        if self._undo is not None:
+            undo, self._undo = self._undo, None
+            undo()
+        self.active = ()
+
+
+def row_hooks(pipe, sets: Sequence[tuple[tuple[str, float], ...]]):
+    """Make row i of every batch use `sets[i]` in the denoiser and the text encoders (see
+    `row_lora`; a batch of any size repeats the sets); returns the undo, which must run."""
+    undos: list = []
+
+    def undo_all() -> None:
+        for undo in undos:
+            undo()
+
+    try:
+        for module in adapted_modules(pipe):
+            undos.append(apply_row_adapters(module, sets))
+    except BaseException:
+        undo_all()
+        raise
+    return undo_all
 
 
 def adapted_modules(pipe) -> list[torch.nn.Module]:
     """The pipeline's modules adapters may change: its denoiser and text encoders."""
-    names = [denoiser_name(pipe), "text_encoder", "text_encoder_2", "text_encoder_3"]
-    return [m for m in (getattr(pipe, n, None) for n in names) if isinstance(m, torch.nn.Module)]
+    return list(_components(pipe).values())
 
 
 def row_adapter_sets(rows: Sequence[Row], params: CallParams) -> list[tuple[tuple[str, float], ...]]:
     """Each row's adapters (its own `Row.adapters`, else the call's `params.loras`), in name
     order and without those at scale 0."""
     return [tuple(sorted((n, sc) for n, sc in r.adapters or params.loras if sc != 0)) for r in rows]
+
+
+def _components(pipe) -> dict[str, torch.nn.Module]:
+    names = [denoiser_name(pipe), "text_encoder", "text_encoder_2", "text_encoder_3"]
+    return {n: m for n in names if isinstance(m := getattr(pipe, n, None), torch.nn.Module)}
 
 
 def _conv_shapes(pipe) -> dict[str, tuple[int, ...]]:
@@ -135,8 +193,8 @@ def _adapter_weights(pipe, path: str) -> dict[str, torch.Tensor]:
         return load_file(path)
     config = json.loads((folder / "adapter_config.json").read_text())
     kind = config.get("peft_type", "LORA")
-    if kind not in ("LORA", "LOHA", "LOKR") or config.get("use_dora"):
-        raise LoraError(f"{path}: a {kind} adapter (or DoRA); LoRA, LoHa and LoKr are loaded")
+    if kind not in ("LORA", "LOHA", "LOKR") or (config.get("use_dora") and kind != "LORA"):
+        raise LoraError(f"{path}: a {kind} adapter; LoRA (DoRA too), LoHa and LoKr are loaded")
     if config.get("rank_pattern") or config.get("alpha_pattern"):
         raise LoraError(f"{path}: per-layer ranks or alphas (rank_pattern, alpha_pattern) are not loaded")
     r = config.get("r")

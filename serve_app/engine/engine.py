@@ -24,13 +24,13 @@ import torch
 
 from serve_app.config import ModelConfig
 from serve_app.engine.adapters import (
-    adapted_modules,
+    InForce,
     install_adapter,
     loaded_adapters,
     read_adapter,
     remove_adapter,
     row_adapter_sets,
-    set_active_adapters,
+    row_hooks,
 )
 from serve_app.engine.checks import MAX_EMBED_TOKENS, RESERVED_EXTRA_KEYS, CallChecks
 from serve_app.engine.families import Family, describe_pipeline
@@ -51,7 +51,6 @@ from serve_app.engine.loading import (
     weights_held,
 )
 from serve_app.engine.media import encode_image
-from serve_app.engine.row_lora import apply_row_adapters
 from serve_app.engine.runs import JoinedRun, Runner, latents_preview, vae_modes
 from serve_app.engine.schedulers import Schedulers
 from serve_app.engine.step_cache import cached_blocks
@@ -136,7 +135,7 @@ class DiffusionEngine:
         self.default_height, self.default_width = native_size(self.pipe, cfg)
         video = self.family.modality == "video"
         self.default_num_frames = (cfg.default_num_frames or self.family.default_frames) if video else None
-        self._active_lora: tuple | None = None
+        self._in_force = InForce(self.pipe)  # the adapters of whole calls
         cache_blocks = cached_blocks(denoiser)
         self.accelerations = offered_accelerations(denoiser, cache_blocks, cfg.optimizations)
         self._checks = CallChecks(self.pipe, self._task_pipes, self.family, self.device, self.accelerations)
@@ -265,17 +264,17 @@ class DiffusionEngine:
         read here when absent), or raise LoraError. On the engine thread."""
         if state is None:
             state = self.read_lora(path)
+        self._in_force.forget()  # set the adapters again on the next call
         install_adapter(self.pipe, name, path, state)
-        self._active_lora = ()  # force set_adapters on the next call
 
     def unload_lora(self, name: str) -> None:
+        self._in_force.forget()
         remove_adapter(self.pipe, name)
-        self._active_lora = ()
 
     def _apply_lora(self, loras: tuple[tuple[str, float], ...]) -> None:
         """Make exactly these adapters active at their scales (none, or every scale 0: the base
         model, bit for bit)."""
-        self._active_lora = set_active_adapters(self.pipe, loras, self._active_lora)
+        self._in_force.set(loras)
 
     def _row_adapters(self, rows: Sequence[Row], params: CallParams):
         """Put each row's adapters in force; returns the undo.
@@ -288,19 +287,8 @@ class DiffusionEngine:
         if all(s == sets[0] for s in sets):
             self._apply_lora(sets[0])
             return lambda: None
-        undos: list = []  # the text encoders' LoRA layers too: a row's text encodes with its adapters
-
-        def undo_all() -> None:
-            for undo in undos:
-                undo()
-
-        try:
-            for module in adapted_modules(self.pipe):
-                undos.append(apply_row_adapters(module, sets))
-        except BaseException:
-            undo_all()
-            raise
-        return undo_all
+        self._in_force.forget()  # the row hooks (text encoders' too) replace it for this call
+        return row_hooks(self.pipe, sets)
 
     # ------------------------------------------------------------------ running (see `runs`)
 

@@ -8,8 +8,11 @@ sum of theirs), zero-padded to the call's largest rank. Slot 0 is all zeros: row
 adapters. Each row then gathers its slot, and two batched matrix products (or two grouped
 convolutions) give every row its delta at once, whatever the number of distinct sets.
 
+A DoRA adapter (`dora`) enters its slot as a LoRA whose B is scaled by its gain per output,
+and the slot adds `gain - 1` times the base output without its bias.
+
 Linear and 2-D convolution layers take that path; any other LoRA layer type adds its rows'
-deltas slot by slot through PEFT's own modules.
+deltas slot by slot through PEFT's own modules (DoRA is not loaded on those).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
+
+from serve_app.engine import dora
 
 AdapterSet = tuple[tuple[str, float], ...]  # (name, scale) pairs, sorted
 
@@ -66,7 +71,8 @@ def _delta_hook(layer, parts: list[list[tuple[str, float]]], slot: torch.Tensor)
     conv = isinstance(a_mod, torch.nn.Conv2d) and isinstance(b_mod, torch.nn.Conv2d) and b_mod.groups == 1
     if not (linear or conv):
         return _slotwise_hook(layer, parts, slot)
-    a, b = _stack(layer, parts)
+    a, b, gains = _stack(layer, parts)
+    base_bias = layer.get_base_layer().bias
     bias = None  # PEFT's lora_bias: B has a bias, scaled with its adapter
     if any(layer.lora_B[n].bias is not None for ps in parts for n, _ in ps):
         bias = b.new_zeros((len(parts) + 1, b.shape[1]))
@@ -100,18 +106,27 @@ def _delta_hook(layer, parts: list[list[tuple[str, float]]], slot: torch.Tensor)
             d = F.conv2d(h, b[rows].flatten(0, 1), None, b_mod.stride, b_mod.padding, b_mod.dilation, n)
             if bias is not None:
                 d = d + bias[rows].reshape(1, -1, 1, 1)
-        return out + d.reshape(out.shape).to(out.dtype)
+        d = d.reshape(out.shape)
+        if gains is not None:  # DoRA: (gain - 1) times the base output without its bias
+            base = out if base_bias is None else out - (base_bias if linear else base_bias.reshape(-1, 1, 1))
+            g = gains[rows].to(out.device)
+            d = d + (
+                g.reshape(len(rows), *[1] * (out.dim() - 2), -1) if linear else g.reshape(*g.shape, 1, 1)
+            ) * base.to(d.dtype)
+        return out + d.to(out.dtype)
 
     return hook
 
 
-def _stack(layer, parts: list[list[tuple[str, float]]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Slot 0 zeros, slot j the j-th set: A rows stacked, scaled B columns side by side."""
+def _stack(layer, parts: list[list[tuple[str, float]]]):
+    """Slot 0 zeros, slot j the j-th set: A rows stacked, scaled B columns side by side; and,
+    where a set has a DoRA adapter here, each slot's summed `gain - 1` per output (else None)."""
     rank = max(sum(layer.r[n] for n, _ in ps) for ps in parts)
     a0 = next(layer.lora_A[n].weight for ps in parts for n, _ in ps)
     b0 = next(layer.lora_B[n].weight for ps in parts for n, _ in ps)
     a = a0.new_zeros((len(parts) + 1, rank, *a0.shape[1:]))
     b = b0.new_zeros((len(parts) + 1, b0.shape[0], rank, *b0.shape[2:]))
+    gains = None
     with torch.no_grad():
         for j, ps in enumerate(parts, 1):
             at = 0
@@ -119,8 +134,13 @@ def _stack(layer, parts: list[list[tuple[str, float]]]) -> tuple[torch.Tensor, t
                 r = layer.r[n]
                 a[j, at : at + r] = layer.lora_A[n].weight
                 b[j, :, at : at + r] = k * layer.lora_B[n].weight
+                g = dora.gain(layer, n, k)
+                if g is not None:
+                    gains = b0.new_zeros((len(parts) + 1, b0.shape[0])) if gains is None else gains
+                    gains[j] += (g - 1).to(gains)
+                    b[j, :, at : at + r] *= g.to(b).reshape(-1, *[1] * (b0.dim() - 1))
                 at += r
-    return a, b
+    return a, b, gains
 
 
 def _slotwise_hook(layer, parts: list[list[tuple[str, float]]], slot: torch.Tensor):

@@ -90,9 +90,10 @@ def _base_pipe(model: str):
 
 
 def make_lycoris(out: str, kind: str = "loha", seed: int = 0, rank: int = 4, model: str = "tiny-sd") -> Path:
-    """Write a LyCORIS adapter (`loha`, or `lokr` with a whole 4x4 first factor and a rank-`rank`
-    second) for a UNet model's attention projections in kohya's layout, weights drawn from
-    `seed`, `alpha` 2 * rank."""
+    """Write a LyCORIS adapter (`loha`, `lokr` with a whole 4x4 first factor and a rank-`rank`
+    second, or `dora`: a LoRA with LyCORIS's `dora_scale`, each output's magnitude 0.5-1.5
+    times the base weight's norm) for a UNet model's attention projections in kohya's layout,
+    weights drawn from `seed`, `alpha` 2 * rank."""
     import torch
     from safetensors.torch import save_file
 
@@ -111,6 +112,10 @@ def make_lycoris(out: str, kind: str = "loha", seed: int = 0, rank: int = 4, mod
         if kind == "loha":
             parts = {"hada_w1_a": draw(out_f, rank), "hada_w1_b": draw(rank, in_f),
                      "hada_w2_a": draw(out_f, rank), "hada_w2_b": draw(rank, in_f)}  # fmt: skip
+        elif kind == "dora":
+            norm = module.weight.detach().norm(dim=1, keepdim=True)
+            parts = {"lora_down.weight": draw(rank, in_f), "lora_up.weight": draw(out_f, rank),
+                     "dora_scale": norm * (0.5 + torch.rand(out_f, 1, generator=g))}  # fmt: skip
         else:
             parts = {
                 "lokr_w1": draw(4, 4),
@@ -140,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     mk.add_argument("--rank", type=int, default=4)
     mk.add_argument("--model", default="tiny-sd")
     mk.add_argument(
-        "--kind", choices=["lora", "loha", "lokr"], default="lora", help="LyCORIS: kohya's layout"
+        "--kind", choices=["lora", "loha", "lokr", "dora"], default="lora", help="LyCORIS: kohya's layout"
     )
     green = sub.add_parser("green", help="copy builtin:shapes' trained adapter (paints shapes green)")
     green.add_argument("--out", required=True)
