@@ -178,3 +178,31 @@ def test_a_peft_loha_or_lokr_directory_makes_the_image_of_peft_s_own_merge(kind,
     reference.pipe.unet.load_state_dict(merged_weights)
     want = pixels(reference)[0]
     assert np.abs(got - want).max() <= 1 and np.abs(got - base).max() > 10
+
+
+def test_an_sdxl_kohya_file_under_the_original_unet_names_changes_the_image_as_its_merge_does(tmp_path):
+    # SDXL's kohya files name modules as the original UNet does (`input_blocks_4_0_in_layers_2`
+    # for diffusers' `down_blocks.1.resnets.0.conv1`): a LoHa and a LoKr convolution and
+    # attention projection so named make the image of their updates merged.
+    names = {
+        "down_blocks.1.resnets.0.conv1": "lora_unet_input_blocks_4_0_in_layers_2",
+        "down_blocks.1.resnets.0.conv2": "lora_unet_input_blocks_4_0_out_layers_3",
+        "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q": (
+            "lora_unet_input_blocks_4_1_transformer_blocks_0_attn1_to_q"
+        ),
+    }
+    config = ModelConfig(source="builtin:tiny-sdxl", device="cpu", warmup=False)
+    e, g = DiffusionEngine(config), torch.Generator().manual_seed(4)
+    base = pixels(e)[0]
+    for kind, make in (("loha", loha), ("lokr", lokr)):
+        state, reference = {}, DiffusionEngine(config)
+        for module, key in names.items():
+            weight = reference.pipe.unet.get_submodule(module).weight
+            parts, delta = make(tuple(weight.shape), 4, 2.0, g)
+            state.update({f"{key}.{k}": v for k, v in parts.items()})
+            with torch.no_grad():
+                weight += delta
+        save_file(state, str(tmp_path / f"{kind}.safetensors"))
+        e.load_lora(kind, str(tmp_path / f"{kind}.safetensors"))
+        got = pixels(e, loras=((kind, 1.0),))[0]
+        assert np.abs(got - pixels(reference)[0]).max() <= 1 and np.abs(got - base).max() > 10, kind

@@ -168,14 +168,25 @@ def _components(pipe) -> dict[str, torch.nn.Module]:
 
 def _conv_shapes(pipe) -> dict[str, tuple[int, ...]]:
     """The weight shapes of the denoiser's convolutions by their kohya names (`lora_unet_` and the
-    module's path with `_` for `.`) and by PEFT's (`unet.` and the path), so a LyCORIS update of
-    one becomes a convolution's LoRA."""
-    kohya = "lora_unet_" if denoiser_name(pipe) == "unet" else "lora_transformer_"
-    out = {}
+    module's path with `_` for `.`; for a UNet, under its diffusers names as SD 1.x files have
+    them and under the original UNet's as SDXL files have them) and by PEFT's (`unet.` and the
+    path), so a LyCORIS update of one becomes a convolution's LoRA."""
+    from serve_app.formats.single_file_write import UNET, unet_to_original
+
+    unet = denoiser_name(pipe) == "unet"
+    kohya = "lora_unet_" if unet else "lora_transformer_"
+    out, convs = {}, {}
     for name, m in find_denoiser(pipe).named_modules():
         if isinstance(m, torch.nn.Conv2d):
             name = name.removesuffix(".base_layer")  # a layer with adapters holds it so
             out[kohya + name.replace(".", "_")] = out[f"{denoiser_name(pipe)}.{name}"] = tuple(m.weight.shape)
+            convs[f"{name}.weight"] = tuple(m.weight.shape)
+    layers = getattr(getattr(pipe, "unet", None), "config", {}).get("layers_per_block")
+    if unet and isinstance(layers, int):  # every name: the original numbering depends on them all
+        names = [n.replace(".base_layer", "") for n, _ in pipe.unet.named_parameters() if "lora_" not in n]
+        for name, key in zip(names, unet_to_original(dict.fromkeys(names), layers), strict=True):
+            if name in convs:
+                out[kohya + key.removeprefix(UNET).removesuffix(".weight").replace(".", "_")] = convs[name]
     return out
 
 
