@@ -137,7 +137,7 @@ BAD = [
     ("strings.gguf", "its fields hold over 100000 items"),
     ("pickle.gguf", "holds a pickle"),
     ("iq2.gguf", "in GGUF type IQ2_XXS, which diffusers cannot read"),
-    ("sd.gguf", "GGUF files are loaded as FLUX transformers only"),
+    ("sd.gguf", "GGUF files are loaded as FLUX, Wan transformers only"),
 ]
 
 
@@ -153,6 +153,48 @@ def test_a_gguf_file_lacking_weights_fails_the_start_naming_them(files):
     assert gguf_keys(files / "half.gguf") == ["img_in.weight", "double_blocks.0.img_attn.qkv.weight"]
     with pytest.raises(ModelLoadError, match=r"half.gguf' lacks \d+ weights of the transformer"):
         engine(files / "half.gguf")
+
+
+# Wan's twin: its narrow layers (24 wide) stay F32, the 32-wide ones are quantized. Measured over
+# 5 frames of 32x32, 3 steps: Q8_0 81.5 dB, Q4_0 60.1 dB against the unquantized twin's video.
+WAN_PSNR_AT_LEAST = {"Q8_0": 70.0, "Q4_0": 50.0}
+
+
+def test_a_wan_transformer_file_and_its_gguf_twins_make_the_twins_video(tmp_path):
+    """Wan's transformer alone in Wan-AI's layout (`blocks.N.self_attn.q`, `head.head`), as a
+    safetensors file (the same video, exactly) and as GGUF in Q8_0 and Q4_0 (quantized layers
+    kept so, within the stated PSNR), with the rest of the pipeline from `builtin:tiny-wan`."""
+    params = CallParams(height=32, width=32, steps=3, guidance_scale=5.0, num_frames=5)
+
+    def frames(e: DiffusionEngine) -> np.ndarray:
+        try:
+            return np.stack(
+                [np.asarray(f).astype(float) for f in e.run([Row(PROMPT, None, 1)], params).images[0]]
+            )
+        finally:
+            e.close()
+
+    want = frames(DiffusionEngine(ModelConfig(source="builtin:tiny-wan", device="cpu", warmup=False)))
+    for name in ("wan.safetensors", *(f"wan-{q}.gguf" for q in WAN_PSNR_AT_LEAST)):
+        quant = name.removesuffix(".gguf").split("-")[-1]
+        write_main(
+            ["builtin:tiny-wan", str(tmp_path / name), *(["--quant", quant] if "gguf" in name else [])]
+        )
+        assert file_layout(tmp_path / name) == "wan"
+    cfg = dict(pipeline_config="builtin:tiny-wan", device="cpu", warmup=False)
+    from safetensors.torch import load_file, save_file
+
+    original = load_file(str(tmp_path / "wan.safetensors"))
+    prefixed = {f"model.diffusion_model.{k}": v for k, v in original.items()}
+    save_file(prefixed, str(tmp_path / "wan-comfy.safetensors"))  # ComfyUI's repackaging
+    for name in ("wan.safetensors", "wan-comfy.safetensors"):
+        source = str(tmp_path / name)
+        assert psnr(frames(DiffusionEngine(ModelConfig(source=source, **cfg))), want) == float("inf"), name
+    for quant, bound in WAN_PSNR_AT_LEAST.items():
+        e = DiffusionEngine(ModelConfig(source=str(tmp_path / f"wan-{quant}.gguf"), **cfg))
+        assert e.describe()["denoiser_weights"] == ["float32", quant]
+        assert type(e.pipe.transformer.blocks[0].ffn.net[2]).__name__ == "GGUFLinear"
+        assert bound <= psnr(frames(e), want) < float("inf"), quant
 
 
 def png(r) -> np.ndarray:

@@ -160,7 +160,7 @@ def test_a_single_file_makes_the_images_of_the_pipeline_it_was_written_from(file
             "sd2.safetensors",
             None,
             "is a checkpoint in the Stable Diffusion 2.x layout; single files are "
-            "loaded in the Stable Diffusion 1.x, SDXL, SD3, FLUX layouts only",
+            "loaded in the Stable Diffusion 1.x, SDXL, SD3, FLUX, Wan layouts only",
         ),
         ("sd3.safetensors", "builtin:tiny-sd3", "holds no VAE weights (no first_stage_model.* tensors)"),
         (

@@ -6,7 +6,7 @@ every tensor with its dtype, shape and byte range, then the tensors. Its header 
 that is no safetensors file (a pickle under that name, say) or one cut short from a good one,
 and its tensor names tell the layout of a single-file checkpoint, before anything is loaded.
 A `.gguf` file (GGUF, llama.cpp's format: quantized tensors, as the community publishes FLUX
-transformers) is read the same way: its header, checked against the file, names every tensor
+transformers, and Wan's) is read the same way: its header, checked against the file, names every tensor
 with its type. A layout's pipeline class tells its family (`family_of`), as the engine names
 families.
 """
@@ -35,7 +35,7 @@ PICKLE_REASON = "loading a pickle runs the code it carries, so only .safetensors
 GGUF_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
               "Q6_K", "IQ4_NL", "IQ4_XS")  # fmt: skip
 # Layouts a GGUF file is loaded in: the transformer-only ones (the rest come with the configs).
-GGUF_LAYOUTS = ("flux",)
+GGUF_LAYOUTS = ("flux", "wan")
 # Bounds on a GGUF header's counts, far above real files' (FLUX.1: ~780 tensors, ~10 fields):
 # a header that claims more is refused before it is parsed.
 MAX_GGUF_TENSORS = 50_000
@@ -52,8 +52,9 @@ LAYOUTS = {
     "sdxl": ("SDXL", "StableDiffusionXLPipeline"),
     "sd3": ("SD3", "StableDiffusion3Pipeline"),
     "flux": ("FLUX", "FluxPipeline"),
+    "wan": ("Wan", "WanPipeline"),
 }
-LOADABLE = ("sd1", "sdxl", "sd3", "flux")
+LOADABLE = ("sd1", "sdxl", "sd3", "flux", "wan")
 # The parts a loadable layout's file holds, by the prefix of their tensor names.
 PARTS = {
     "sd1": {"UNet": "model.diffusion_model.", "VAE": "first_stage_model.",
@@ -268,6 +269,8 @@ def checkpoint_layout(keys: list[str]) -> str | None:
         return "sd3"
     if has(unet + "double_blocks.") or has("double_blocks."):
         return "flux"
+    if any(has(p + "patch_embedding.") and has(p + "blocks.0.self_attn.") for p in ("", unet)):
+        return "wan"
     if has(unet + "input_blocks."):
         if has("cond_stage_model.transformer."):
             return "sd1"

@@ -1,7 +1,8 @@
 """A pipeline from one checkpoint file in the original layout: the single `.safetensors` file of
 A1111, ComfyUI and model sites, which holds the UNet, VAE and text encoders of Stable Diffusion
 1.x or SDXL under their original names, SD3's MMDiT and VAE (and its text encoders where the
-file has them: the others come with the configs), or FLUX's transformer alone (`flux_file.py`).
+file has them: the others come with the configs), or FLUX's or Wan's transformer alone
+(`flux_file.py`, `wan_file.py`), as a safetensors or a GGUF file.
 diffusers' `from_single_file` and its converters turn the SD weights into diffusers' (each text
 encoder by the prefix its layout puts it under, where diffusers would guess by width and take
 the wrong one when two encoders are equally wide); nothing is downloaded: the pipeline's
@@ -23,6 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from serve_app.config import BUILTIN_PREFIX, ModelConfig
+from serve_app.formats.flux_file import flux_from_original
 from serve_app.formats.layouts import (
     LAYOUTS,
     PICKLE_REASON,
@@ -37,6 +39,7 @@ from serve_app.formats.layouts import (
     loadable_layout,
     safetensors_keys,
 )
+from serve_app.formats.wan_file import wan_from_original
 
 
 class CheckpointRefused(RuntimeError):
@@ -74,7 +77,8 @@ def load_single_file(
 
     try:
         if layout in TRANSFORMER_ONLY:
-            pipe = _around_transformer(cfg, path, config_dir, class_name, embedded, reuse or {}, dtype)
+            where = (path, layout, config_dir, class_name)
+            pipe = _around_transformer(cfg, where, embedded, reuse or {}, dtype)
         else:
             parts = _converted_models(index, path, config_dir, src, layout, reuse or {})
             parts.update(_absent_text_encoders(cfg, layout, parts, config_dir, embedded))
@@ -89,30 +93,31 @@ def load_single_file(
     return pipe.to(dtype=dtype)
 
 
-# Layouts whose files hold the denoiser alone (FLUX's, as its makers and model sites share it):
-# the pipeline's other parts come with `model.pipeline_config`, weights and all.
-TRANSFORMER_ONLY = ("flux",)
+# Layouts whose files hold the denoiser alone (FLUX's and Wan's, as their makers and model sites
+# share them): the pipeline's other parts come with `model.pipeline_config`, weights and all.
+# Each: the transformer's diffusers class and what turns the file's names into diffusers'.
+TRANSFORMER_ONLY = {
+    "flux": ("FluxTransformer2DModel", flux_from_original),
+    "wan": ("WanTransformer3DModel", wan_from_original),
+}
 
 
 def _around_transformer(
-    cfg: ModelConfig,
-    path: Path,
-    config_dir: Path,
-    class_name: str,
-    embedded: Embedded,
-    reuse: dict,
-    dtype: torch.dtype,
+    cfg: ModelConfig, where: tuple[Path, str, Path, str], embedded: Embedded, reuse: dict, dtype: torch.dtype
 ):
     """The pipeline of `model.pipeline_config` (an embedded model built from `model.seed`, or a
     local diffusers directory's weights) with its transformer read from the file (a GGUF
-    file's quantized, `_load_quantized`)."""
+    file's quantized, `_load_quantized`). `where`: the file, its layout, the configs'
+    directory and the pipeline's class name."""
+    path, layout, config_dir, class_name = where
     import diffusers
     from safetensors.torch import load_file
 
-    from serve_app.formats.flux_file import flux_from_original
+    model_class, from_original = TRANSFORMER_ONLY[layout]
+    cls = getattr(diffusers, model_class)
+    from accelerate import init_empty_weights
 
-    cls = diffusers.FluxTransformer2DModel
-    with torch.device("meta"):
+    with init_empty_weights(include_buffers=False):  # buffers made at init (Wan's rope) are real
         transformer = cls.from_config(cls.load_config(config_dir / "transformer"))
     gguf = is_gguf_name(path)
     if gguf:
@@ -122,8 +127,8 @@ def _around_transformer(
     else:
         state = load_file(str(path))
     try:
-        weights = flux_from_original(state)
-    except KeyError:  # no img_in: nothing the transformer's widths can be read from
+        weights = from_original(state)
+    except KeyError:  # FLUX's without img_in: nothing the transformer's widths can be read from
         weights = {}
     if gguf:
         missing = _load_quantized(transformer, weights, dtype, cfg.source)
@@ -132,7 +137,7 @@ def _around_transformer(
     if missing:
         raise CheckpointRefused(
             f"model.source: {cfg.source!r} lacks {len(missing)} weights of the transformer "
-            f"(e.g. {sorted(missing)[0]}); not a whole FLUX transformer"
+            f"(e.g. {sorted(missing)[0]}); not a whole {LAYOUTS[layout][0]} transformer"
         )
     parts = {**reuse, "transformer": transformer.eval()}
     setting = cfg.pipeline_config or ""
@@ -156,7 +161,10 @@ def _load_quantized(transformer: torch.nn.Module, weights: dict, dtype: torch.dt
         dequantize_gguf_tensor,
     )
 
-    _replace_with_gguf_linear(transformer, dtype, weights)
+    # Modules the model keeps in float32 (Wan's time embedder casts its input to their weights'
+    # dtype) stay plain layers, their weights dequantized once, as diffusers' GGUF loader does.
+    keep = list(getattr(transformer, "_keep_in_fp32_modules", None) or [])
+    _replace_with_gguf_linear(transformer, dtype, weights, modules_to_not_convert=keep)
     missing = []
     for key, like in transformer.state_dict(keep_vars=True).items():
         value = weights.get(key)

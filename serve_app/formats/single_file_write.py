@@ -10,9 +10,10 @@ attention projections, `resblocks`, a transposed projection) under
 `conditioner.embedders.1.model.`. SD3: the MMDiT under `model.diffusion_model.` (`joint_blocks`,
 fused `qkv`), the VAE likewise, the text encoders under `text_encoders.clip_l|clip_g|t5xxl.`.
 For FLUX, the transformer alone in Black Forest Labs' layout (`double_blocks`, `single_blocks`;
-flux_file.py). The file loads back with diffusers' `from_single_file` to the same weights
-(tests/test_single_file.py serves one and compares images), so a twin in this layout stands for
-a community checkpoint.
+flux_file.py); for Wan, the transformer alone in Wan-AI's (`blocks.N.self_attn`; wan_file.py).
+FLUX's and Wan's transformers are also written as GGUF files (`write_gguf`). The file loads
+back to the same weights (tests/test_single_file.py serves one and compares images), so a twin
+in this layout stands for a community checkpoint.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 import torch
 
 from serve_app.formats.flux_file import flux_to_original, swap_halves
+from serve_app.formats.wan_file import wan_to_original
 
 UNET, VAE, TEXT = "model.diffusion_model.", "first_stage_model.", "cond_stage_model.transformer."
 SDXL_TEXT, SDXL_TEXT_2 = "conditioner.embedders.0.transformer.", "conditioner.embedders.1.model."
@@ -235,11 +237,13 @@ def t5_to_original(state: dict[str, torch.Tensor], prefix: str) -> dict[str, tor
 
 
 def pipeline_to_original(pipe) -> dict[str, torch.Tensor]:
-    """Every weight of a Stable Diffusion 1.x, SDXL or SD3 pipeline, or a FLUX pipeline's transformer,
-    in one original-layout state dict."""
+    """Every weight of a Stable Diffusion 1.x, SDXL or SD3 pipeline, or a FLUX or Wan pipeline's
+    transformer, in one original-layout state dict."""
     kind = type(pipe).__name__
     if kind.startswith("Flux"):  # the transformer alone, unprefixed, as FLUX's makers share it
         state = flux_to_original(pipe.transformer.state_dict())
+    elif kind.startswith("Wan"):  # the same for Wan's
+        state = wan_to_original(pipe.transformer.state_dict())
     elif kind == "StableDiffusion3Pipeline":
         from serve_app.formats.single_file_load import TEXT_ENCODERS
 
@@ -258,27 +262,28 @@ def pipeline_to_original(pipe) -> dict[str, torch.Tensor]:
         state.update(text_encoder_to_original(pipe.text_encoder.state_dict()))
     else:
         raise ValueError(
-            f"only Stable Diffusion 1.x, SDXL, SD3 and FLUX pipelines are written; this is a {kind}"
+            f"only Stable Diffusion 1.x, SDXL, SD3, FLUX and Wan pipelines are written; this is a {kind}"
         )
-    if not kind.startswith("Flux"):
+    if not kind.startswith(("Flux", "Wan")):
         state.update(vae_to_original(pipe.vae.state_dict(), len(pipe.vae.config.down_block_types)))
     return {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
 
 
 def write_gguf(pipe, out: str | Path, quant: str = "Q8_0") -> Path:
-    """Write a FLUX pipeline's transformer as one GGUF file at `out`, in the original layout as
-    the community's FLUX GGUF files are: each 2-D weight whose rows fill whole blocks of the
+    """Write a FLUX or Wan pipeline's transformer as one GGUF file at `out`, in the original
+    layout as the community's GGUF files are: each 2-D weight whose rows fill whole blocks of the
     type in `quant` (`Q8_0`, `Q4_0`, ...: the types the `gguf` package quantizes), the rest
     (biases, norms, layers too narrow) in F32."""
     import gguf
 
-    if not type(pipe).__name__.startswith("Flux"):
-        raise ValueError(f"GGUF files are written for FLUX pipelines only; this is a {type(pipe).__name__}")
+    kind = type(pipe).__name__
+    if not kind.startswith(("Flux", "Wan")):
+        raise ValueError(f"GGUF files are written for FLUX and Wan pipelines only; this is a {kind}")
     qtype = gguf.GGMLQuantizationType[quant]
     block = gguf.GGML_QUANT_SIZES[qtype][0]
     path = Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(path), arch="flux")
+    writer = gguf.GGUFWriter(str(path), arch="wan" if kind.startswith("Wan") else "flux")
     for name, tensor in pipeline_to_original(pipe).items():
         data = tensor.float().numpy()
         if data.ndim == 2 and data.shape[1] % block == 0:
