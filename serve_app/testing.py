@@ -246,6 +246,9 @@ class FakeEngine:
     def check_sampler(self, sampler, sigma_schedule):
         return sampler, sigma_schedule  # every image is a flat colour whatever samples it
 
+    def check_rollout(self, sampler, noise_level, window, steps):
+        raise ValueError("rollout: a fake engine has no rollouts (they are proven on the real engine)")
+
     def can_join(self, params) -> bool:
         return False  # whole calls only: joining is proven on the real engine
 

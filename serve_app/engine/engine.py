@@ -51,6 +51,7 @@ from serve_app.engine.loading import (
     weights_held,
 )
 from serve_app.engine.media import encode_image
+from serve_app.engine.rollout import check_rollout
 from serve_app.engine.runs import JoinedRun, Runner, latents_preview, vae_modes
 from serve_app.engine.schedulers import Schedulers
 from serve_app.engine.step_cache import cached_blocks
@@ -248,6 +249,11 @@ class DiffusionEngine:
         scheduler; ValueError, starting with the field's name, listing what this model offers."""
         return self.schedulers.check(sampler, sigma_schedule)
 
+    def check_rollout(self, sampler: str | None, noise_level: float | None, window, steps: int):
+        """A request's rollout (`rollout`) as the engine runs it, and the (sampler, schedule) its
+        call takes; ValueError, starting with the field's name."""
+        return check_rollout(self.schedulers, sampler, noise_level, window, steps)
+
     # ------------------------------------------------------------------ LoRA adapters (see `adapters`)
 
     @exported
@@ -316,7 +322,8 @@ class DiffusionEngine:
         (its state follows one call's steps), a compiled denoiser (every new batch size would
         compile again) or CPU offload (its hooks move the whole denoiser per call)."""
         opt = self.cfg.optimizations
-        return params.acceleration == "none" and not opt.compile_denoiser and opt.cpu_offload == "none"
+        plain = params.acceleration == "none" and params.rollout is None  # a rollout's record is per call
+        return plain and not opt.compile_denoiser and opt.cpu_offload == "none"
 
     def open_joined(self, params: CallParams, adapters: tuple[tuple[str, float], ...] = ()) -> JoinedRun:
         """Start a joined run of calls with `params` whose rows all have `adapters` (or none);

@@ -45,6 +45,10 @@ class Engine(Protocol):
         """The canonical (sampler, sigma schedule), (None, None) for the model's own scheduler;
         ValueError, starting with the field's name, for one this model does not offer."""
 
+    def check_rollout(self, sampler: str | None, noise_level: float | None, window, steps: int) -> tuple:
+        """A request's rollout as the engine runs it and the (sampler, schedule) its call takes;
+        ValueError, starting with the field's name, for one this model cannot run."""
+
     def read_lora(self, path: str) -> dict[str, Any]:
         """An adapter's checked weights, read without touching the pipeline (any thread), or
         LoraError saying why not."""

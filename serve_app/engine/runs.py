@@ -23,6 +23,7 @@ from serve_app.engine.joining import Seat, StepBatch
 from serve_app.engine.loading import denoiser_name, find_denoiser
 from serve_app.engine.media import encode_image
 from serve_app.engine.memory import PeakMemory
+from serve_app.engine.rollout import RolloutRecord, RolloutScheduler, noise_seed
 from serve_app.engine.schedulers import Schedulers, seed_noise
 from serve_app.engine.step_cache import NoCache, step_cache
 from serve_app.engine.types import CallParams, EngineOutput, InvalidArguments, Row, StepHook
@@ -89,6 +90,7 @@ class _CallState:
     last_latents: torch.Tensor | None = None
     trajectory: list[torch.Tensor] = field(default_factory=list)
     timesteps: list[float] = field(default_factory=list)
+    rollout: RolloutRecord | None = None
 
 
 class Runner:
@@ -135,6 +137,8 @@ class Runner:
             raise ValueError("run() needs at least one row")
         st = _CallState(t0=time.perf_counter())
         pipe = self._scheduled(self.task_pipes[params.task], params, rows)
+        if params.rollout is not None:
+            pipe = self._with_rollout(pipe, params, rows, st)
         with contextlib.ExitStack() as undo:  # the call's set-up, undone whatever happens
             undo.callback(adapters(rows, params))
             undo.callback(vae_modes(self.pipe, params))
@@ -173,6 +177,17 @@ class Runner:
         scheduler = self.schedulers.get(params.sampler, params.sigma_schedule)
         seed_noise(scheduler, rows)
         return scheduler
+
+    def _with_rollout(self, pipe, params: CallParams, rows: Sequence[Row], st: _CallState):
+        """A shallow copy of `pipe` whose scheduler steps as the call's rollout asks
+        (`rollout`), each row's noise from its own generator; its record goes to `st`."""
+        device = params.generator_device or self.device
+        generators = [torch.Generator(device).manual_seed(noise_seed(r.seed)) for r in rows]
+        scheduler = RolloutScheduler(pipe.scheduler, params.rollout, generators)
+        pipe = copy.copy(pipe)
+        pipe.__dict__["scheduler"] = scheduler
+        st.rollout = scheduler.record
+        return pipe
 
     def _scheduled(self, pipe, params: CallParams, rows: Sequence[Row]):
         """`pipe`, or a shallow copy of it whose scheduler is the call's sampler's."""
@@ -305,6 +320,9 @@ class Runner:
             latents=st.last_latents,
             trajectory_latents=st.trajectory if params.return_trajectory else None,
             trajectory_timesteps=st.timesteps if params.return_trajectory else None,
+            trajectory_start=st.rollout.start if st.rollout else None,
+            rollout_steps=list(st.rollout.steps) if st.rollout else None,
+            trajectory_log_probs=st.rollout.table() if st.rollout else None,
             steps_run=st.steps_run,
             interrupted=st.steps_run < st.total,
         )

@@ -71,6 +71,17 @@ class Row:
 
 
 @dataclass(frozen=True)
+class RolloutSpec:
+    """A rollout call's sampling (`rollout`): `sampler` one of sde, cps (flow-matching models),
+    ddim (the others); `noise_level` its noise (ddim's eta); `window` the steps [start, stop)
+    that are stochastic (None: every step)."""
+
+    sampler: str
+    noise_level: float
+    window: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
 class CallParams:
     """What every row of one pipeline call shares."""
 
@@ -91,6 +102,7 @@ class CallParams:
     acceleration: str = "none"  # step caching: one of step_cache.LEVELS
     sampler: str | None = None  # a scheduler of its own (`schedulers`); None: the model's
     sigma_schedule: str | None = None  # with `sampler`: karras, exponential, beta; None: its own
+    rollout: RolloutSpec | None = None  # stochastic sampling with log-probs (`rollout`)
 
 
 # Called after every denoising step with (step index, total steps, latents); returning True
@@ -110,6 +122,11 @@ class EngineOutput:
     latents: torch.Tensor | None = None
     trajectory_latents: list[torch.Tensor] | None = None
     trajectory_timesteps: list[float] | None = None
+    # A rollout's: the latents before the first step, the stochastic steps and their
+    # log-probabilities per row (rows, len(rollout_steps)).
+    trajectory_start: torch.Tensor | None = None
+    rollout_steps: list[int] | None = None
+    trajectory_log_probs: torch.Tensor | None = None
     steps_run: int = 0
     interrupted: bool = False
     # How the rows ran, filled in by the replica: the largest call, the requests that shared it,
@@ -141,6 +158,9 @@ class EngineOutput:
                 else None
             ),
             trajectory_timesteps=parts[0].trajectory_timesteps,
+            trajectory_start=_cat([p.trajectory_start for p in parts]),
+            rollout_steps=parts[0].rollout_steps,
+            trajectory_log_probs=_cat([p.trajectory_log_probs for p in parts]),
             steps_run=parts[-1].steps_run,
             interrupted=any(p.interrupted for p in parts),
         )
@@ -159,9 +179,20 @@ class EngineOutput:
                 else None
             ),
             trajectory_timesteps=self.trajectory_timesteps,
+            trajectory_start=_rows(self.trajectory_start, start, stop),
+            rollout_steps=self.rollout_steps,
+            trajectory_log_probs=_rows(self.trajectory_log_probs, start, stop),
             steps_run=self.steps_run,
             interrupted=self.interrupted,
             batch_images=self.batch_images,
             batch_requests=self.batch_requests,
             pipeline_calls=self.pipeline_calls,
         )
+
+
+def _cat(parts: list[torch.Tensor | None]) -> torch.Tensor | None:
+    return torch.cat(parts) if parts and all(p is not None for p in parts) else None
+
+
+def _rows(t: torch.Tensor | None, start: int, stop: int) -> torch.Tensor | None:
+    return t[start:stop] if t is not None else None

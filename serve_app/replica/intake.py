@@ -40,6 +40,7 @@ def new_job(engine: Engine, request: PreparedRequest, future: asyncio.Future, pr
     extra = checked_extra(engine, request)
     embeds = checked_embeds(engine, request)
     sampler, sigma_schedule = checked_sampler(engine, request)
+    rollout, (sampler, sigma_schedule) = checked_rollout(engine, request, (sampler, sigma_schedule))
     image = request.image.to_pil() if request.image is not None else None
     mask = request.mask.to_pil() if request.mask is not None else None
     rows = [
@@ -54,7 +55,8 @@ def new_job(engine: Engine, request: PreparedRequest, future: asyncio.Future, pr
         guidance_scale=request.guidance_scale,
         extra=tuple(sorted(extra.items())),
         return_latents=request.return_latents,
-        return_trajectory=request.return_trajectory,
+        return_trajectory=request.return_trajectory or rollout is not None,
+        rollout=rollout,
         num_frames=request.num_frames,
         task=request.task,
         strength=request.strength,
@@ -131,6 +133,20 @@ def checked_sampler(engine: Engine, request: PreparedRequest) -> tuple[str | Non
         return engine.check_sampler(request.sampler, request.sigma_schedule)
     except ValueError as e:  # the message starts with the field's name
         raise InvalidRequest(str(e), param=str(e).split(":")[0], request_id=request.request_id) from None
+
+
+def checked_rollout(engine: Engine, request: PreparedRequest, sampler: tuple[str | None, str | None]):
+    """The request's rollout as the engine runs it (None: none) and the sampler its call takes."""
+    r = request.rollout
+    if r is None:
+        return None, sampler
+    try:
+        if request.sampler is not None:
+            raise ValueError("sampler: a rollout steps with its own (rollout.sampler); leave sampler out")
+        spec, chosen = engine.check_rollout(r.sampler, r.noise_level, r.window, request.num_inference_steps)
+    except ValueError as e:  # the message starts with the field's name
+        raise InvalidRequest(str(e), param=str(e).split(":")[0], request_id=request.request_id) from None
+    return spec, chosen
 
 
 def checked_embeds(engine: Engine, request: PreparedRequest) -> dict[str, torch.Tensor | None]:

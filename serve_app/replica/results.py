@@ -75,6 +75,10 @@ def build_result(
             timesteps=out.trajectory_timesteps,
             latents=[TensorPayload.from_tensor(x) for x in out.trajectory_latents],
         )
+        if out.trajectory_log_probs is not None:  # a rollout's
+            trajectory.start = TensorPayload.from_tensor(out.trajectory_start)
+            trajectory.stochastic_steps = out.rollout_steps
+            trajectory.log_probs = TensorPayload.from_tensor(out.trajectory_log_probs)
     metrics.observe_stages(model, stage.stage_ms())
     return GenerationResult(
         request_id=job.request_id,

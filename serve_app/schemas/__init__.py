@@ -59,6 +59,7 @@ from serve_app.schemas.generation import (
     GenerationParams,
     GenerationRequest,
     LoraRef,
+    Rollout,
 )
 from serve_app.schemas.generation import _ImageInputs as _ImageInputs
 from serve_app.schemas.internal import (
@@ -120,6 +121,7 @@ __all__ = [
     "CheckpointAdd",
     "B64Bytes",
     "BatchGenerationRequest",
+    "Rollout",
     "ErrorBody",
     "ErrorResponse",
     "Extra",

@@ -4,7 +4,7 @@ sampling parameters (`GenerationParams`), adapters (`LoraRef`) and input images 
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -41,6 +41,22 @@ class LoraRef(_Wire):
         None, ge=LORA_SCALE[0], le=LORA_SCALE[1], description="Default: the adapter's registered scale."
     )
     path: str | None = Field(None, description="Filled in by the server from the registry; ignored if sent.")
+
+
+class Rollout(_Wire):
+    """Stochastic sampling whose every transition's log-probability comes back (RL rollouts)."""
+
+    sampler: Literal["sde", "cps", "ddim"] | None = Field(
+        None,
+        description="sde (Flow-GRPO's SDE) or cps for flow-matching models, ddim (with eta) for the "
+        "others; default sde or ddim.",
+    )
+    noise_level: float | None = Field(
+        None, gt=0, le=1, description="The noise (ddim: eta); default 0.7 for sde and cps, 1.0 for ddim."
+    )
+    window: tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]] | None = Field(
+        None, description="[start, stop): the steps that are stochastic; default every step."
+    )
 
 
 class GenerationParams(_Wire):
@@ -85,6 +101,12 @@ class GenerationParams(_Wire):
     )
     return_latents: bool = False
     return_trajectory: bool = False
+    rollout: Rollout | None = Field(
+        None,
+        description="RL rollouts: stochastic steps with per-row log-probabilities, returned in "
+        "`trajectory` (with the latents before the first step) for every row of the group "
+        "(`num_images` seeds).",
+    )
     request_id: RequestId = None
     extra: Extra = Field(default_factory=dict)
     lora: LoraRef | None = None

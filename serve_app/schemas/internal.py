@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from serve_app.config import Acceleration
 from serve_app.schemas.base import B64Bytes, MemoryKind, OutputFormat, _Wire
-from serve_app.schemas.generation import BatchGenerationRequest, GenerationRequest, LoraRef
+from serve_app.schemas.generation import BatchGenerationRequest, GenerationRequest, LoraRef, Rollout
 from serve_app.schemas.payloads import PixelPayload, TensorPayload, Trajectory
 
 EMBEDS_FIELDS = (
@@ -57,6 +57,7 @@ class PreparedRequest(_Wire):
     mask: PixelPayload | None = None  # "L", the same size
     return_latents: bool = False
     return_trajectory: bool = False
+    rollout: Rollout | None = None
     extra: dict[str, Any] = Field(default_factory=dict)
     loras: list[LoraRef] = Field(default_factory=list)  # by name, each with its scale and path resolved
     acceleration: Acceleration = "none"
@@ -130,6 +131,7 @@ class PreparedRequest(_Wire):
             mask=mask,
             return_latents=request.return_latents,
             return_trajectory=request.return_trajectory,
+            rollout=request.rollout,
             extra=request.extra,
             loras=loras or [],
             acceleration=request.acceleration or acceleration,

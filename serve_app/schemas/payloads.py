@@ -96,7 +96,12 @@ InputImage = Annotated[
 
 
 class Trajectory(_Wire):
-    """Latents after every denoising step, with the timestep of each."""
+    """Latents after every denoising step, with the timestep of each; a rollout's also the
+    latents before the first step (`start`), the steps that were stochastic and each one's
+    log-probability per row (`log_probs`, float32, rows x len(stochastic_steps))."""
 
     timesteps: list[float]
     latents: list[TensorPayload]
+    start: TensorPayload | None = None
+    stochastic_steps: list[int] | None = None
+    log_probs: TensorPayload | None = None
