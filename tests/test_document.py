@@ -109,6 +109,8 @@ def test_a_deployments_document_has_its_limits_and_keys(doc):
     )
     assert props["prompts"]["items"]["maxLength"] == 99
     assert mine["components"]["schemas"]["Txt2ImgRequest"]["properties"]["steps"]["anyOf"][0]["maximum"] == 30
+    form = mine["components"]["schemas"]["ImagesEditRequestForm"]["properties"]  # the edit's form too
+    assert form["num_inference_steps"]["maximum"] == 30 and form["n"]["maximum"] == cfg.limits.max_images
     security = {(p, m): op.get("security") for p, m, op in operations(mine)}
     assert security["/v1/images/generations", "post"] and security["/v1/loras", "post"]
     assert not security["/health", "get"] and not security["/live", "get"]

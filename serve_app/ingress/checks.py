@@ -188,7 +188,7 @@ def check_path_id(request_id: str) -> None:
         )
 
 
-_FORM_JSON = ("extra", "lora")  # fields that are objects: JSON text inside a form
+FORM_JSON = ("extra", "lora", "rollout")  # fields that are objects: JSON text inside a form
 
 
 async def read_edit_body(request: Request) -> dict[str, Any]:
@@ -224,7 +224,7 @@ async def _form_fields(form) -> dict[str, Any]:
             images.append(data)
         elif key in out:
             raise InvalidRequest(f"{key}: given more than once", param=key)
-        elif key in _FORM_JSON and isinstance(data, str):
+        elif key in FORM_JSON and isinstance(data, str):
             try:
                 out[key] = json.loads(data)
             except ValueError:

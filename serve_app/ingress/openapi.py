@@ -17,11 +17,18 @@ from serve_app.schemas import MEDIA_TYPES, ErrorResponse, Job
 from serve_app.schemas.a1111 import options_schema
 
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409, 413, 429, 499, 500, 503, 504)}
+# One Server-Sent Event as OpenAPI before 3.2 describes a stream's events: its fields, `data`
+# the JSON of a step event, a partial image or the result.
+SSE_EVENT = {
+    "type": "object",
+    "properties": {"data": {"type": "string"}, "event": {"type": "string"}, "id": {"type": "string"},
+                   "retry": {"type": "integer"}},
+}  # fmt: skip
 # The image routes answer JSON (the images; with `Prefer: respond-async` the job, 202 while it
 # runs, 200 once it ended within `Prefer: wait=N`), or with `stream: true` Server-Sent Events.
 IMAGE_RESPONSES = {
     **ERRORS,
-    200: {"content": {"text/event-stream": {"schema": {"type": "string"}}}},
+    200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}},
     202: {"model": Job, "description": "With `Prefer: respond-async`: the job (`Location`: its URL)."},
 }
 # A stored output (with `response_class=Response`): the file, by its media type.
@@ -121,21 +128,21 @@ def _as_served(doc: dict[str, Any]) -> None:
 
 
 def for_deployment(doc: dict[str, Any], cfg, access) -> None:
-    """The document of one deployment: its limits as the bodies' maximums (the largest of its
-    models'; a bound that differs between models is also a rule of the named model), and the
-    keys it asks for as security schemes on every route but the open ones."""
+    """The document of one deployment: its limits as the bodies' maximums, their forms' too (the
+    largest of its models'; a bound that differs between models is also a rule of the named
+    model), and the keys it asks for as security schemes on every route but the open ones."""
     schemas = doc["components"]["schemas"]
     limits = [served.limits for served in cfg.served()]
     differ: set[str] = set()
     for body, fields in _BOUNDS.items():
-        props = schemas.get(body, {}).get("properties", {})
-        for field, bounds in fields.items():
-            for limit, keyword in bounds:
-                values = {getattr(lim, limit) for lim in limits}
-                if field in props:
-                    _bound(props[field], keyword, max(values))
-                if len(values) > 1:
-                    differ.add(field)
+        for props in (schemas.get(name, {}).get("properties", {}) for name in (body, body + FORM_SUFFIX)):
+            for field, bounds in fields.items():
+                for limit, keyword in bounds:
+                    values = {getattr(lim, limit) for lim in limits}
+                    if field in props:
+                        _bound(props[field], keyword, max(values))
+                    if len(values) > 1:
+                        differ.add(field)
     for body in _OPENAI:
         if "loras" in schemas.get(body, {}).get("properties", {}):
             _bound(schemas[body]["properties"]["loras"], "maxItems", cfg.lora.max_per_request)
