@@ -38,6 +38,14 @@ def _m():
         "queue_length": metrics.Gauge(
             "diffusion_queue_length", "Queued plus running images on a replica.", tag_keys=("model",)
         ),
+        "cache": metrics.Counter(
+            "diffusion_result_cache_total",
+            "Requests the result cache could answer, by outcome (hit, miss, bypass).",
+            tag_keys=("model", "outcome"),
+        ),
+        "cache_bytes": metrics.Gauge(
+            "diffusion_result_cache_bytes", "Bytes of results an ingress replica keeps.", tag_keys=()
+        ),
         "retries": metrics.Counter(
             "diffusion_retries_total", "Requests sent again because their replica died.", tag_keys=("model",)
         ),
@@ -95,6 +103,12 @@ def set_queue_length(model: str, n: int) -> None:
 
 def count_lora_load(model: str) -> None:
     _m()["lora_loads"].inc(1, {"model": model})
+
+
+def count_cache(model: str, outcome: str, kept_bytes: int) -> None:
+    m = _m()
+    m["cache"].inc(tags={"model": model, "outcome": outcome})
+    m["cache_bytes"].set(kept_bytes)
 
 
 def count_retry(model: str) -> None:

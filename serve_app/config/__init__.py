@@ -25,6 +25,7 @@ from serve_app.config.services import (  # re-exported: one configuration
     JobsConfig,
     LoraConfig,
     ProfilingConfig,
+    ResultCacheConfig,
     TenantConfig,
     _Strict,
 )
@@ -44,6 +45,7 @@ Acceleration = Literal["none", "fast", "faster"]
 
 __all__ = [
     "AuthConfig",
+    "ResultCacheConfig",
     "AutoscalingSettings",
     "BatchingConfig",
     "CheckpointsConfig",
@@ -323,6 +325,9 @@ class AppConfig(_Strict):
     )
     jobs: JobsConfig = Field(
         default_factory=JobsConfig, description="Asynchronous jobs, stored outputs and webhooks."
+    )
+    result_cache: ResultCacheConfig = Field(
+        default_factory=ResultCacheConfig, description="Results given again for repeated seeded requests."
     )
 
     @model_validator(mode="after")

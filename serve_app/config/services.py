@@ -157,6 +157,27 @@ class JobsConfig(_Strict):
     webhook_timeout_s: float = Field(10.0, gt=0, description="How long one webhook call may take.")
 
 
+class ResultCacheConfig(_Strict):
+    """Results kept by the ingress and given again for a repeated request (`docs/operating.md`)."""
+
+    enabled: bool = Field(
+        False,
+        description="Answer a request with a seed whose every input equals an earlier one's from that "
+        "one's stored result (the OpenAI JSON routes and handle calls).",
+    )
+    max_bytes: int = Field(
+        256 * 2**20,
+        ge=0,
+        description="Bytes of results kept per ingress replica; the least recently used go first.",
+    )
+    max_entry_bytes: int = Field(
+        32 * 2**20, ge=0, description="A larger result (a long video, a trajectory) is not kept."
+    )
+    shared_across_tenants: bool = Field(
+        False, description="Whether one tenant's request may be answered with another tenant's result."
+    )
+
+
 class CheckpointsConfig(_Strict):
     """Where the checkpoint registry of the pools lives and which checkpoints may be registered."""
 

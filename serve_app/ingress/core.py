@@ -32,7 +32,9 @@ from serve_app.ingress.checks import (
 from serve_app.ingress.failures import backoff, call_error, gave_up, not_ready
 from serve_app.ingress.inputs import prepare_inputs
 from serve_app.ingress.models import Models, ServedModel
+from serve_app.ingress.result_cache import ResultCache
 from serve_app.ingress.tenants import Tenants
+from serve_app.metrics import count_cache
 from serve_app.registries import Registry
 from serve_app.schemas import (
     MAX_SEED,
@@ -64,6 +66,7 @@ class Core:
         policy = AccessPolicy.from_config(cfg.auth)
         self.access = dataclasses.replace(policy, user_keys=policy.user_keys + self.tenants.keys())
         self._rng = random.SystemRandom()
+        self.results = ResultCache(cfg.result_cache, cfg.lora.allowed_roots)
 
     # ------------------------------------------------------------------ readiness and description
 
@@ -185,14 +188,28 @@ class Core:
 
     # ------------------------------------------------------------------ to a replica and back
 
-    async def submit(self, request: AnyRequest) -> GenerationResult:
-        """One call to a replica for the whole result, within its tenant's quotas."""
+    async def submit(self, request: AnyRequest, cache: bool = True) -> GenerationResult:
+        """One call to a replica for the whole result, within its tenant's quotas; or, for a
+        request the result cache has seen (`result_cache`), the kept result. `cache` False (the
+        caller's `Cache-Control: no-cache`) makes it anew, and keeps that."""
         prepared = await self.prepare(request)
+        key = self.results.key(prepared)
+        if key is not None and cache:
+            hit = self.results.get(key, prepared)
+            count_cache(prepared.model, "hit" if hit else "miss", self.results.bytes)
+            if hit is not None:
+                return hit
         async with self.tenants.admit(prepared):
             results = [
                 r async for r in self._attempts(prepared, lambda h: h.generate.remote(prepared), False)
             ]
-        return results[-1]
+        if key is None:
+            return results[-1]
+        result = self.results.put(key, results[-1])
+        if not cache:
+            result = self.results.bypassed(result)
+            count_cache(prepared.model, "bypass", self.results.bytes)
+        return result
 
     async def stream(
         self, request: AnyRequest, preview_every: int = 0, restart: bool = False, admitted: bool = False

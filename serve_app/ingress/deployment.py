@@ -53,17 +53,22 @@ class DiffusionIngress:
         and is healthy."""
         return await self.core.ready(model)
 
-    async def generate(self, request: GenerationRequest | dict[str, Any]) -> GenerationResult:
-        """One prompt. Raises a `ServingError` subclass on any failure."""
+    async def generate(
+        self, request: GenerationRequest | dict[str, Any], cache: bool = True
+    ) -> GenerationResult:
+        """One prompt. Raises a `ServingError` subclass on any failure. `cache` False: never
+        from the result cache (`result_cache`)."""
         if isinstance(request, dict):
             request = validated(GenerationRequest, request)
-        return await self.core.submit(request)
+        return await self.core.submit(request, cache)
 
-    async def generate_batch(self, request: BatchGenerationRequest | dict[str, Any]) -> GenerationResult:
+    async def generate_batch(
+        self, request: BatchGenerationRequest | dict[str, Any], cache: bool = True
+    ) -> GenerationResult:
         """Several prompts, one parameter set, one engine call, one merged result."""
         if isinstance(request, dict):
             request = validated(BatchGenerationRequest, request)
-        return await self.core.submit(request)
+        return await self.core.submit(request, cache)
 
     async def generate_stream(
         self,

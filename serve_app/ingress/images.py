@@ -10,7 +10,7 @@ from starlette.background import BackgroundTask
 
 from serve_app.errors import InvalidRequest
 from serve_app.ingress import present
-from serve_app.ingress.checks import read_edit_body, validated, validation_to_error
+from serve_app.ingress.checks import FORM_JSON, read_edit_body, validated, validation_to_error
 from serve_app.ingress.core import Core, CoreDep
 from serve_app.ingress.jobs import DeskDep, JobDesk, prefers_async
 from serve_app.ingress.openapi import IMAGE_RESPONSES
@@ -50,7 +50,7 @@ async def images_generations_batch(
     openapi_extra={"requestBody": {"required": True, "content": {
         "multipart/form-data": {
             "schema": {"$ref": "#/components/schemas/ImagesEditRequestForm"},
-            "encoding": {name: {"contentType": "application/json"} for name in ("extra", "lora")},
+            "encoding": {name: {"contentType": "application/json"} for name in FORM_JSON},
         },
         "application/json": {"schema": {"$ref": "#/components/schemas/ImagesEditRequest"}},
     }}},
@@ -132,11 +132,12 @@ async def generate(
             headers={"Cache-Control": "no-cache"},
             background=BackgroundTask(place.aclose),  # a stream never read gives the place back too
         )
-    result = await core.submit(request)
+    result = await core.submit(request, cache="no-cache" not in http.headers.get("cache-control", "").lower())
     # Serve's proxy sets the X-Request-Id response header to its own request id, which is
     # ours unless the body chose another one.
     urls = await desk.links.urls(result, body.response_format, base)
-    return JSONResponse(present.images_response(result, urls, request))
+    headers = {"X-Cache": result.metrics.cache} if result.metrics.cache else None
+    return JSONResponse(present.images_response(result, urls, request), headers=headers)
 
 
 async def _holding(events, place: contextlib.AsyncExitStack):

@@ -79,6 +79,8 @@ class PreparedRequest(_Wire):
     tenant_weight: float = 1.0
     checkpoint: str | None = None
     checkpoint_source: str | None = None
+    # Whether the caller chose the seed (only such a request may be answered from the cache).
+    seed_given: bool = True
 
     @classmethod
     def from_request(
@@ -116,6 +118,7 @@ class PreparedRequest(_Wire):
             num_inference_steps=request.num_inference_steps or steps,
             guidance_scale=request.guidance_scale if request.guidance_scale is not None else guidance_scale,
             seed=request.seed if request.seed is not None else seed,
+            seed_given=request.seed is not None,
             num_images=request.num_images,
             output_format=request.output_format or output_format,
             num_frames=request.num_frames or num_frames,
@@ -161,6 +164,11 @@ class StageMetrics(_Wire):
         1, description="Calls the request ran in: more than 1 when it had more images than one call takes."
     )
     steps: int = 0
+    cache: Literal["hit", "miss", "bypass"] | None = Field(
+        None,
+        description="The result cache: `hit` (answered from a stored result), `miss` (made, and kept), "
+        "`bypass` (Cache-Control: no-cache); absent when the request could not be cached.",
+    )
 
     def stage_ms(self) -> dict[str, float]:
         """Milliseconds by stage, as the latency metrics name them."""
