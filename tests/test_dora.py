@@ -177,6 +177,14 @@ def test_a_dora_file_that_cannot_be_applied_is_refused_naming_the_module(made, t
         with pytest.raises(LoraError, match=said[case]):
             e.load_lora(case, str(tmp_path / f"{case}.safetensors"))
         assert case not in e.loaded_loras()
+    # A quantized denoiser has no dense weight to take DoRA's norm of.
+    cfg = ModelConfig(
+        source="builtin:tiny-sd", device="cpu", warmup=False, optimizations={"quantize": "int8_weight_only"}
+    )
+    quantized = DiffusionEngine(cfg)
+    with pytest.raises(LoraError, match="DoRA on a quantized or offloaded layer is not loaded"):
+        quantized.load_lora("dora", files["dora"])
+    assert "dora" not in quantized.loaded_loras()
 
 
 def test_lycoris_and_dora_files_register_and_serve_over_http(client):
@@ -243,3 +251,41 @@ def test_a_loha_module_with_a_dora_scale_makes_its_merged_image(tmp_path):
     e.load_lora("ld", str(tmp_path / "loha-dora.safetensors"))
     got = pixels(e, loras=(("ld", 1.0),))[0]
     assert np.abs(got - pixels(reference)[0]).max() <= 1 and np.abs(got - pixels(engine())[0]).max() > 10
+
+
+ATTN1 = "transformer_blocks.0.attn1"
+
+
+def test_an_sdxl_kohya_dora_file_under_the_original_unet_names_makes_its_merged_image(tmp_path):
+    # SDXL's kohya files name the UNet's modules as the original does: the magnitudes find
+    # their layers by those names too.
+    config = ModelConfig(source="builtin:tiny-sdxl", device="cpu", warmup=False)
+    e, reference, g = DiffusionEngine(config), DiffusionEngine(config), torch.Generator().manual_seed(8)
+    names = {
+        f"down_blocks.1.attentions.0.{ATTN1}.to_q": f"input_blocks_4_1_{ATTN1.replace('.', '_')}_to_q",
+        "down_blocks.1.resnets.0.conv1": "input_blocks_4_0_in_layers_2",
+    }
+    state = {}
+    for module, key in names.items():
+        w = e.pipe.unet.get_submodule(module).weight.detach().clone()
+        down = torch.randn(4, *w.shape[1:], generator=g) * 0.3
+        up = torch.randn(w.shape[0], 4, *[1] * (w.dim() - 2), generator=g) * 0.3
+        m = w.flatten(1).norm(dim=1) * (0.5 + torch.rand(w.shape[0], generator=g))
+        state.update({f"lora_unet_{key}.lora_down.weight": down, f"lora_unet_{key}.lora_up.weight": up,
+                      f"lora_unet_{key}.alpha": torch.tensor(4.0),
+                      f"lora_unet_{key}.dora_scale": m.reshape(-1, *[1] * (w.dim() - 1))})  # fmt: skip
+        v = w + (up.flatten(1) @ down.flatten(1)).reshape(w.shape)
+        with torch.no_grad():
+            gain = (m / v.flatten(1).norm(dim=1)).reshape(-1, *[1] * (w.dim() - 1))
+            reference.pipe.unet.get_submodule(module).weight.copy_(v * gain)
+    save_file(state, str(tmp_path / "sdxl-dora.safetensors"))
+    e.load_lora("d", str(tmp_path / "sdxl-dora.safetensors"))
+    got = pixels(e, loras=(("d", 1.0),))[0]
+    assert (
+        np.abs(got - pixels(reference)[0]).max() <= 1
+        and np.abs(got - pixels(engine_of(config))[0]).max() > 10
+    )
+
+
+def engine_of(config: ModelConfig) -> DiffusionEngine:
+    return DiffusionEngine(config)

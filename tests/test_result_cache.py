@@ -22,7 +22,7 @@ KEY_A, KEY_B = "cache-tenant-a-5f1c", "cache-tenant-b-93e0"
 def prepared(**kw) -> PreparedRequest:
     base = dict(request_id="r1", prompts=["a red circle"], negative_prompt=None, height=32, width=32,
                 num_inference_steps=3, guidance_scale=7.5, seed=1, num_images=1, output_format="png",
-                model="m")  # fmt: skip
+                model="m", seed_given=True)  # fmt: skip
     return PreparedRequest(**{**base, **kw})
 
 
@@ -51,6 +51,15 @@ def test_keys_follow_every_input_and_not_the_request_s_name():
     before = cache.key(with_adapter)
     os.utime(path, ns=(time.time_ns(), time.time_ns() + 10**9))
     assert cache.key(with_adapter) != before != k
+    # A PEFT directory: its files, not the directory, key it.
+    folder = ADAPTER_DIR / "cache-unit-dir"
+    folder.mkdir(exist_ok=True)
+    (folder / "adapter_model.safetensors").write_bytes(b"one")
+    in_dir = prepared(loras=[LoraRef(name="d", scale=1.0, path=folder.name)])
+    before = cache.key(in_dir)
+    (folder / "adapter_model.safetensors").write_bytes(b"other")  # the same size
+    os.utime(folder / "adapter_model.safetensors", ns=(time.time_ns(), time.time_ns() + 2 * 10**9))
+    assert cache.key(in_dir) != before
 
 
 def test_kept_bytes_stay_bounded_least_recently_used_out_first():

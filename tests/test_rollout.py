@@ -128,11 +128,22 @@ def test_a_rollout_without_stochastic_steps_is_the_plain_call(engines):
         assert not np.array_equal(np.asarray(noisy.images[0]), np.asarray(plain.images[0])), model
 
 
+def test_a_schedule_that_is_no_flow_step_is_refused(engines):
+    from serve_app.engine import InvalidArguments
+
+    e = engines["tiny-flux"]
+    spec, (name, _) = e.check_rollout("sde", 0.7, None, 3)
+    params = CallParams(height=32, width=32, steps=3, guidance_scale=4.0, rollout=spec, sampler=name,
+                        extra=(("sigmas", [0.5, 0.8, 0.9]),))  # fmt: skip
+    with pytest.raises(InvalidArguments, match="rollout: the schedule's sigmas"):
+        e.run([Row("a red circle", None, 1)], params)
+
+
 def test_a_rollout_the_model_cannot_run_is_refused_naming_the_field(engines):
     cases = [
         ("tiny-flux", ("ddim", 0.5, None), "rollout.sampler: .* takes sde or cps, not 'ddim'"),
         ("tiny-sd", ("sde", 0.5, None), "rollout.sampler: .* takes ddim, not 'sde'"),
-        ("tiny-sd", ("ddim", 1.5, None), r"rollout.noise_level: 1.5 is not in \(0, 1\]"),
+        ("tiny-sd", ("ddim", 1.5, None), r"rollout.noise_level: 1.5 is not in \[0.01, 1\]"),
         (
             "tiny-flux",
             ("sde", 0.7, (2, 9)),
@@ -162,5 +173,7 @@ def test_a_rollout_over_http_returns_a_group_s_log_probs_and_refuses_a_bad_one(c
     assert r.json()["metrics"]["batch_images"] == 3  # the group in one call
     bad = client.post("/v1/images/generations", json={**body, "rollout": {"sampler": "sde"}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "rollout.sampler", bad.text
+    both = client.post("/v1/images/generations", json={**body, "rollout": {}, "sigma_schedule": "karras"})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "sigma_schedule", both.text
     odd = client.post("/v1/images/generations", json={**body, "rollout": {"noise_level": 0}})
     assert odd.status_code in (400, 422) and "rollout" in odd.text, odd.text

@@ -82,7 +82,8 @@ def install_adapter(pipe, name: str, path: str, state: dict[str, torch.Tensor]) 
         remove_adapter(pipe, name)
         raise LoraError(f"{path}: its keys match no layer of {type(pipe).__name__}")
     try:
-        dora.attach(_components(pipe), name, magnitudes, path)
+        aliases = {k: f"unet.{m}" for k, m in _original_names(pipe).items()} if magnitudes else {}
+        dora.attach(_components(pipe), name, magnitudes, path, aliases)
     except LoraError:
         remove_adapter(pipe, name)
         raise
@@ -166,27 +167,37 @@ def _components(pipe) -> dict[str, torch.nn.Module]:
     return {n: m for n in names if isinstance(m := getattr(pipe, n, None), torch.nn.Module)}
 
 
+def _original_names(pipe) -> dict[str, str]:
+    """A UNet's modules by the kohya names SDXL files give them (the original UNet's, as
+    `lora_unet_input_blocks_4_0_in_layers_2`), to their diffusers paths; empty for others."""
+    from serve_app.formats.single_file_write import UNET, unet_to_original
+
+    unet = getattr(pipe, "unet", None)
+    layers = getattr(unet, "config", {}).get("layers_per_block") if unet is not None else None
+    if not isinstance(layers, int):
+        return {}
+    # Every name: the original numbering depends on them all.
+    names = [n.replace(".base_layer", "") for n, _ in list(unet.named_parameters()) if "lora_" not in n]
+    out = {}
+    for name, key in zip(names, unet_to_original(dict.fromkeys(names), layers), strict=True):
+        module = name.rsplit(".", 1)[0]
+        out["lora_unet_" + key.removeprefix(UNET).rsplit(".", 1)[0].replace(".", "_")] = module
+    return out
+
+
 def _conv_shapes(pipe) -> dict[str, tuple[int, ...]]:
     """The weight shapes of the denoiser's convolutions by their kohya names (`lora_unet_` and the
     module's path with `_` for `.`; for a UNet, under its diffusers names as SD 1.x files have
     them and under the original UNet's as SDXL files have them) and by PEFT's (`unet.` and the
     path), so a LyCORIS update of one becomes a convolution's LoRA."""
-    from serve_app.formats.single_file_write import UNET, unet_to_original
-
-    unet = denoiser_name(pipe) == "unet"
-    kohya = "lora_unet_" if unet else "lora_transformer_"
+    kohya = "lora_unet_" if denoiser_name(pipe) == "unet" else "lora_transformer_"
     out, convs = {}, {}
     for name, m in find_denoiser(pipe).named_modules():
         if isinstance(m, torch.nn.Conv2d):
             name = name.removesuffix(".base_layer")  # a layer with adapters holds it so
             out[kohya + name.replace(".", "_")] = out[f"{denoiser_name(pipe)}.{name}"] = tuple(m.weight.shape)
-            convs[f"{name}.weight"] = tuple(m.weight.shape)
-    layers = getattr(getattr(pipe, "unet", None), "config", {}).get("layers_per_block")
-    if unet and isinstance(layers, int):  # every name: the original numbering depends on them all
-        names = [n.replace(".base_layer", "") for n, _ in pipe.unet.named_parameters() if "lora_" not in n]
-        for name, key in zip(names, unet_to_original(dict.fromkeys(names), layers), strict=True):
-            if name in convs:
-                out[kohya + key.removeprefix(UNET).removesuffix(".weight").replace(".", "_")] = convs[name]
+            convs[name] = tuple(m.weight.shape)
+    out.update({key: convs[module] for key, module in _original_names(pipe).items() if module in convs})
     return out
 
 

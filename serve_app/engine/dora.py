@@ -52,10 +52,17 @@ def split(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict
     return rest, magnitudes
 
 
-def attach(components: dict[str, torch.nn.Module], name: str, magnitudes: dict, path: str) -> None:
+def attach(
+    components: dict[str, torch.nn.Module],
+    name: str,
+    magnitudes: dict,
+    path: str,
+    aliases: dict | None = None,
+) -> None:
     """Give adapter `name`'s LoRA layers (in `components`, by their pipeline names) their
-    magnitudes; LoraError naming the module for one that fits no layer of the adapter (the
-    caller then removes the adapter)."""
+    magnitudes; `aliases`: more kohya names, to `component.path` (an SDXL UNet's original
+    names). LoraError naming the module for one that fits no layer of the adapter or whose base
+    weight is quantized (the caller then removes the adapter)."""
     from peft.tuners.lora import LoraLayer
 
     layers = {}
@@ -65,6 +72,9 @@ def attach(components: dict[str, torch.nn.Module], name: str, magnitudes: dict, 
                 layers[f"{component}.{mod_path}"] = layer
                 for prefix in _PREFIXES.get(component, ()):
                     layers[prefix + mod_path.replace(".", "_")] = layer
+    for alias, target in (aliases or {}).items():
+        if target in layers:
+            layers.setdefault(alias, layers[target])
     for key, m in magnitudes.items():
         layer = layers.get(key)
         if layer is None:
@@ -77,7 +87,10 @@ def attach(components: dict[str, torch.nn.Module], name: str, magnitudes: dict, 
             and isinstance(b, torch.nn.Linear | torch.nn.Conv2d)
         ):
             raise LoraError(f"{path}: {key}: DoRA on a {type(a).__name__} layer is not loaded")
-        out = layer.get_base_layer().weight.shape[0]
+        weight = layer.get_base_layer().weight
+        if type(weight.data) is not torch.Tensor or weight.is_meta:  # GGUF, torchao: no dense W
+            raise LoraError(f"{path}: {key}: DoRA on a quantized or offloaded layer is not loaded")
+        out = weight.shape[0]
         peft_key = key.startswith(tuple(f"{c}." for c in components))  # PEFT's: always per output
         if m.numel() != out or (not peft_key and m.shape[0] != out):
             axis = (

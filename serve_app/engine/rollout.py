@@ -29,10 +29,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from serve_app.engine.types import RolloutSpec
+from serve_app.engine.types import InvalidArguments, RolloutSpec
 
 SAMPLERS = ("sde", "cps", "ddim")
 FLOW_SAMPLERS = ("sde", "cps")
+MIN_NOISE = 0.01  # below it float32 log-densities lose their meaning
 DEFAULT_NOISE = {"sde": 0.7, "cps": 0.7, "ddim": 1.0}  # Flow-GRPO's noise level; DDPO's eta
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 _NOISE_SEED = 0x9E3779B97F4A7C15  # mixes a row's seed into its rollout noise seed
@@ -96,9 +97,9 @@ class RolloutScheduler:
             prev, mean, std = self._flow(model_output, timestep, sample)
         if prev is None:  # std 0: the step is deterministic
             return self.inner.step(model_output, timestep, sample, *args, return_dict=return_dict, **kwargs)
+        prev = prev.to(sample.dtype)  # what the next step and the trajectory get: its log-prob
         self.record.steps.append(i)
         self.record.log_probs.append(gaussian_log_prob(prev, mean, std).cpu())
-        prev = prev.to(sample.dtype)
         return SchedulerOutput(prev_sample=prev) if return_dict else (prev,)
 
     def _noise(self, like: torch.Tensor) -> torch.Tensor:
@@ -115,10 +116,13 @@ class RolloutScheduler:
             inner._init_step_index(timestep)
         sigmas = inner.sigmas.float()
         s, s_next = float(sigmas[inner.step_index]), float(sigmas[inner.step_index + 1])
+        s_first = float(sigmas[1]) if len(sigmas) > 1 else 0.0
+        if not 0 <= s_next < s <= 1 or (s == 1 and not 0 < s_first < 1):  # sigmas from `extra`, say
+            raise InvalidArguments(f"rollout: the schedule's sigmas {s}, {s_next} are no flow-matching step")
         x32, v32 = x.float(), v.float()
         if self.spec.sampler == "sde":
             dt = s_next - s
-            a = self.spec.noise_level * math.sqrt(s / (1 - (float(sigmas[1]) if s >= 1.0 else s)))
+            a = self.spec.noise_level * math.sqrt(s / (1 - (s_first if s >= 1.0 else s)))
             mean = x32 * (1 + a**2 * dt / (2 * s)) + v32 * (1 + a**2 * (1 - s) / (2 * s)) * dt
             std = a * math.sqrt(-dt)
         else:
@@ -155,8 +159,8 @@ def check_rollout(
     if (sampler in FLOW_SAMPLERS) != flow:
         takes = " or ".join(FLOW_SAMPLERS) if flow else "ddim"
         raise ValueError(f"rollout.sampler: {schedulers.model} takes {takes}, not {sampler!r}")
-    if not 0 < noise_level <= 1:
-        raise ValueError(f"rollout.noise_level: {noise_level} is not in (0, 1]")
+    if not MIN_NOISE <= noise_level <= 1:
+        raise ValueError(f"rollout.noise_level: {noise_level} is not in [{MIN_NOISE}, 1]")
     if window is not None and not 0 <= window[0] <= window[1] <= steps:
         raise ValueError(
             f"rollout.window: {list(window)} is not [start, stop] within [0, {steps}] (the steps)"

@@ -193,7 +193,8 @@ class Core:
         request the result cache has seen (`result_cache`), the kept result. `cache` False (the
         caller's `Cache-Control: no-cache`) makes it anew, and keeps that."""
         prepared = await self.prepare(request)
-        key = self.results.key(prepared)
+        # Off the event loop: the key hashes the input image and stats the files read.
+        key = await asyncio.to_thread(self.results.key, prepared) if self.results.cfg.enabled else None
         if key is not None and cache:
             hit = self.results.get(key, prepared)
             count_cache(prepared.model, "hit" if hit else "miss", self.results.bytes)

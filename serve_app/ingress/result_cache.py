@@ -24,6 +24,7 @@ from pathlib import Path
 from serve_app.config import ResultCacheConfig
 from serve_app.schemas import GenerationResult, PreparedRequest, StageMetrics
 
+MAX_FILES = 256  # of a directory (an adapter or checkpoint) whose files key its results
 # Fields that name a request or say whose it is, not what it makes.
 _NOT_PIXELS = {"request_id", "owner", "tenant_weight", "seed_given"}
 
@@ -38,6 +39,9 @@ def _file_identity(path: str | None, roots: list[str]) -> list:
         p = Path(roots[0]) / p
     try:
         st = p.stat()
+        if p.is_dir():  # a directory's files (and its subdirectories' files), not the directory
+            files = sorted(f for f in [*p.iterdir(), *p.glob("*/*")] if f.is_file())[:MAX_FILES]
+            return [path, [(str(f.relative_to(p)), f.stat().st_size, f.stat().st_mtime_ns) for f in files]]
     except OSError:
         return [path]
     return [path, st.st_size, st.st_mtime_ns]

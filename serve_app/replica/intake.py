@@ -57,6 +57,7 @@ def new_job(engine: Engine, request: PreparedRequest, future: asyncio.Future, pr
         return_latents=request.return_latents,
         return_trajectory=request.return_trajectory or rollout is not None,
         rollout=rollout,
+        moderation=request.moderation,
         num_frames=request.num_frames,
         task=request.task,
         strength=request.strength,
@@ -141,8 +142,9 @@ def checked_rollout(engine: Engine, request: PreparedRequest, sampler: tuple[str
     if r is None:
         return None, sampler
     try:
-        if request.sampler is not None:
-            raise ValueError("sampler: a rollout steps with its own (rollout.sampler); leave sampler out")
+        for field in ("sampler", "sigma_schedule"):
+            if getattr(request, field) is not None:
+                raise ValueError(f"{field}: a rollout steps with its own sampler (rollout.sampler); leave it")
         spec, chosen = engine.check_rollout(r.sampler, r.noise_level, r.window, request.num_inference_steps)
     except ValueError as e:  # the message starts with the field's name
         raise InvalidRequest(str(e), param=str(e).split(":")[0], request_id=request.request_id) from None

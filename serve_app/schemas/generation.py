@@ -52,7 +52,7 @@ class Rollout(_Wire):
         "others; default sde or ddim.",
     )
     noise_level: float | None = Field(
-        None, gt=0, le=1, description="The noise (ddim: eta); default 0.7 for sde and cps, 1.0 for ddim."
+        None, ge=0.01, le=1, description="The noise (ddim: eta); default 0.7 for sde and cps, 1.0 for ddim."
     )
     window: tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]] | None = Field(
         None, description="[start, stop): the steps that are stochastic; default every step."
@@ -106,6 +106,11 @@ class GenerationParams(_Wire):
         description="RL rollouts: stochastic steps with per-row log-probabilities, returned in "
         "`trajectory` (with the latents before the first step) for every row of the group "
         "(`num_images` seeds).",
+    )
+    moderation: Literal["low", "auto"] | None = Field(
+        None,
+        description="OpenAI's moderation: with a safety checker (`model.safety`), `low` flags at its looser "
+        "threshold; `auto` (default) at its own.",
     )
     request_id: RequestId = None
     extra: Extra = Field(default_factory=dict)
