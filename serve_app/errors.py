@@ -72,6 +72,18 @@ class InvalidRequest(ServingError):
     error_type = "invalid_request_error"
 
 
+class ModerationBlocked(InvalidRequest):
+    """The safety checker flagged an image of the request (`model.safety`, action `refuse`):
+    OpenAI's answer, a 400 whose `code` is "moderation_blocked"."""
+
+    error_type = "image_generation_user_error"
+
+    def to_body(self) -> dict:
+        body = super().to_body()
+        body["error"]["code"] = "moderation_blocked"
+        return body
+
+
 class Unauthorized(ServingError):
     status_code = 401
     error_type = "authentication_error"

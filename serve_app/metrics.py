@@ -46,6 +46,9 @@ def _m():
         "cache_bytes": metrics.Gauge(
             "diffusion_result_cache_bytes", "Bytes of results an ingress replica keeps.", tag_keys=()
         ),
+        "flagged": metrics.Counter(
+            "diffusion_safety_flagged_total", "Images the safety checker flagged.", tag_keys=("model",)
+        ),
         "retries": metrics.Counter(
             "diffusion_retries_total", "Requests sent again because their replica died.", tag_keys=("model",)
         ),
@@ -109,6 +112,10 @@ def count_cache(model: str, outcome: str, kept_bytes: int) -> None:
     m = _m()
     m["cache"].inc(tags={"model": model, "outcome": outcome})
     m["cache_bytes"].set(kept_bytes)
+
+
+def count_flagged(model: str, images: int) -> None:
+    _m()["flagged"].inc(images, tags={"model": model})
 
 
 def count_retry(model: str) -> None:

@@ -44,6 +44,7 @@ Acceleration = Literal["none", "fast", "faster"]
 
 
 __all__ = [
+    "SafetyConfig",
     "AuthConfig",
     "ResultCacheConfig",
     "AutoscalingSettings",
@@ -83,6 +84,29 @@ class Optimizations(_Strict):
         "none",
         description="The `acceleration` of requests that name none: `fast`/`faster` serve some steps' "
         "block outputs from a cache (diffusers' TaylorSeer hooks).",
+    )
+
+
+class SafetyConfig(_Strict):
+    """An image classifier every image passes before it is returned (off unless given)."""
+
+    checker: str = Field(
+        description="A local directory holding a transformers image-classification model (config.json, "
+        "safetensors weights, preprocessor_config.json)."
+    )
+    flagged_labels: list[str] = Field(
+        min_length=1, max_length=64, description="The checker's labels that mark an image as unsafe."
+    )
+    threshold: float = Field(
+        0.5, gt=0, le=1, description="An image whose flagged labels' probability reaches this is flagged."
+    )
+    low_threshold: float = Field(
+        0.8, gt=0, le=1, description="The threshold of requests with `moderation: low` (looser: higher)."
+    )
+    action: Literal["refuse", "blank"] = Field(
+        "refuse",
+        description="`refuse`: a request with a flagged image gets a 400 `moderation_blocked`; `blank`: "
+        "the flagged image is returned black and listed in `flagged`.",
     )
 
 
@@ -159,6 +183,9 @@ class ModelConfig(_Strict):
     )
     optimizations: Optimizations = Field(
         default_factory=Optimizations, description="Optional accelerations, all off by default."
+    )
+    safety: SafetyConfig | None = Field(
+        None, description="Check every image with a classifier before it is returned (off by default)."
     )
     engine_extension: str | None = Field(
         None,

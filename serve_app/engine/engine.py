@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from serve_app.config import ModelConfig
+from serve_app.engine import dora
 from serve_app.engine.adapters import (
     InForce,
     install_adapter,
@@ -53,6 +54,7 @@ from serve_app.engine.loading import (
 from serve_app.engine.media import encode_image
 from serve_app.engine.rollout import check_rollout
 from serve_app.engine.runs import JoinedRun, Runner, latents_preview, vae_modes
+from serve_app.engine.safety import SafetyChecker
 from serve_app.engine.schedulers import Schedulers
 from serve_app.engine.step_cache import cached_blocks
 from serve_app.engine.types import (
@@ -145,6 +147,8 @@ class DiffusionEngine:
             self.pipe, self._task_pipes, self.family, self.device, self.dtype,
             self.default_num_frames, cache_blocks, self.schedulers,
         )  # fmt: skip
+        if cfg.safety is not None:
+            self._runner.safety = SafetyChecker(cfg.safety, self.device)
         logger.info(
             "loaded %s on %s/%s in %.1fs (native %dx%d)",
             cfg.source, self.device, self.dtype, self.load_s, self.default_width, self.default_height,
@@ -270,6 +274,8 @@ class DiffusionEngine:
         read here when absent), or raise LoraError. On the engine thread."""
         if state is None:
             state = self.read_lora(path)
+        if self.cfg.optimizations.cpu_offload != "none" and dora.split(state)[1]:
+            raise LoraError(f"{path}: a DoRA adapter is not loaded with model.optimizations.cpu_offload")
         self._in_force.forget()  # set the adapters again on the next call
         install_adapter(self.pipe, name, path, state)
 

@@ -111,6 +111,7 @@ class Runner:
     ):
         self.pipe = pipe
         self.schedulers = schedulers  # a scheduler per call's sampler; None: the pipeline's own
+        self.safety = None  # the engine's safety checker (`safety`), set once it is loaded
         self.task_pipes = task_pipes
         self.family = family
         self.device = device
@@ -228,7 +229,11 @@ class Runner:
             if (st.denoise_start is None and isinstance(e, ValueError)) or params.extra:
                 raise InvalidArguments(f"the pipeline refused the arguments: {type(e).__name__}: {e}") from e
             raise
-        return self._output(images, params, st)
+        out = self._output(images, params, st)
+        if self.safety is not None and images:  # every image checked before anyone sees it
+            out.images, out.flagged = self.safety.apply(images, params.moderation)
+            out.refuse_flagged = self.safety.cfg.action == "refuse"
+        return out
 
     def _step_end(self, params: CallParams, step_hook: StepHook | None, cache, st: _CallState):
         """The pipeline's callback at the end of every step: the step hook, the step cache, the

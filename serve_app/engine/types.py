@@ -103,6 +103,7 @@ class CallParams:
     sampler: str | None = None  # a scheduler of its own (`schedulers`); None: the model's
     sigma_schedule: str | None = None  # with `sampler`: karras, exponential, beta; None: its own
     rollout: RolloutSpec | None = None  # stochastic sampling with log-probs (`rollout`)
+    moderation: str | None = None  # the safety checker's threshold: "low" (looser) or the default
 
 
 # Called after every denoising step with (step index, total steps, latents); returning True
@@ -129,6 +130,10 @@ class EngineOutput:
     trajectory_log_probs: torch.Tensor | None = None
     steps_run: int = 0
     interrupted: bool = False
+    # The safety checker's verdict per row (None: no checker), and whether flagged rows are
+    # refused (else they were blanked).
+    flagged: list[bool] | None = None
+    refuse_flagged: bool = False
     # How the rows ran, filled in by the replica: the largest call, the requests that shared it,
     # and the calls a request larger than one call took.
     batch_images: int = 0
@@ -163,6 +168,10 @@ class EngineOutput:
             trajectory_log_probs=_cat([p.trajectory_log_probs for p in parts]),
             steps_run=parts[-1].steps_run,
             interrupted=any(p.interrupted for p in parts),
+            flagged=[f for p in parts for f in p.flagged]
+            if all(p.flagged is not None for p in parts)
+            else None,
+            refuse_flagged=parts[0].refuse_flagged,
         )
 
     def slice(self, start: int, stop: int) -> EngineOutput:
@@ -184,6 +193,8 @@ class EngineOutput:
             trajectory_log_probs=_rows(self.trajectory_log_probs, start, stop),
             steps_run=self.steps_run,
             interrupted=self.interrupted,
+            flagged=self.flagged[start:stop] if self.flagged is not None else None,
+            refuse_flagged=self.refuse_flagged,
             batch_images=self.batch_images,
             batch_requests=self.batch_requests,
             pipeline_calls=self.pipeline_calls,

@@ -44,7 +44,7 @@ from serve_app.replica.health import Health
 from serve_app.replica.intake import new_job, work
 from serve_app.replica.loop import EngineLoop
 from serve_app.replica.pool import CheckpointServing
-from serve_app.replica.results import build_result
+from serve_app.replica.results import build_result, check_flagged
 from serve_app.replica.routing import replica_id as _replica_id
 from serve_app.replica.scheduler import Job, Scheduler
 from serve_app.schemas import (
@@ -211,19 +211,10 @@ class DiffusionReplica(AdapterControl, CheckpointServing):
         loop = asyncio.get_running_loop()
         t = time.perf_counter()
         request = work(job).request
-        images = await asyncio.gather(
-            *(
-                loop.run_in_executor(
-                    self._cpu_pool,
-                    encode_output,
-                    im,
-                    request.output_format,
-                    request.fps,
-                    request.output_compression,
-                )
-                for im in output.images
-            )
-        )
+        check_flagged(job, output, self.engine.model_name)
+        fmt = (request.output_format, request.fps, request.output_compression)
+        encoding = (loop.run_in_executor(self._cpu_pool, encode_output, im, *fmt) for im in output.images)
+        images = await asyncio.gather(*encoding)
         name = request.checkpoint or self.engine.model_name
         return build_result(job, output, images, (time.perf_counter() - t) * 1e3, name)
 

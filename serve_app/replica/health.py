@@ -26,7 +26,15 @@ import time
 import torch
 
 from serve_app.engine import CallParams, InvalidArguments, LoraError, is_fatal_device_error
-from serve_app.errors import EngineFailure, InvalidRequest, OutOfMemory, ReplicaLost, ServingError
+from serve_app.engine.safety import SafetyCheckError
+from serve_app.errors import (
+    EngineFailure,
+    InvalidRequest,
+    OutOfMemory,
+    ReplicaLost,
+    ServingError,
+    Unavailable,
+)
 
 logger = logging.getLogger("ray.serve")
 
@@ -64,6 +72,9 @@ class Health:
         failures are counted, a fatal device error marks the replica as leaving."""
         if isinstance(e, LoraError):
             return InvalidRequest(f"lora: {e}", param="lora", request_id=request_id)
+        if isinstance(e, SafetyCheckError):  # not the engine's failure: nothing unchecked goes out
+            logger.warning("request %s: %s", request_id, e)
+            return Unavailable(f"{e}; no image is returned unchecked", request_id=request_id)
         if isinstance(e, InvalidArguments):
             param = "extra" if params.extra else None
             return InvalidRequest(no_paths(str(e)), param=param, request_id=request_id)

@@ -8,6 +8,7 @@ import time
 from serve_app import metrics
 from serve_app.engine import EngineOutput
 from serve_app.engine.engine import latents_preview
+from serve_app.errors import ModerationBlocked
 from serve_app.replica.intake import work
 from serve_app.replica.scheduler import Job
 from serve_app.schemas import (
@@ -52,6 +53,19 @@ def step_hook(batch: list[Job], loop: asyncio.AbstractEventLoop):
     return hook
 
 
+def check_flagged(job: Job, out: EngineOutput, model: str) -> None:
+    """Count the images the safety checker flagged; ModerationBlocked where its action refuses them."""
+    if not (out.flagged and any(out.flagged)):
+        return
+    metrics.count_flagged(model, sum(out.flagged))
+    if out.refuse_flagged:
+        raise ModerationBlocked(
+            f"the safety checker flagged {sum(out.flagged)} of the request's {len(out.flagged)} images; "
+            "none is returned",
+            request_id=job.request_id,
+        )
+
+
 def build_result(
     job: Job, out: EngineOutput, images: list[bytes], encode_ms: float, model: str
 ) -> GenerationResult:
@@ -92,4 +106,5 @@ def build_result(
         peak_memory_kind=out.memory_kind,
         latents=TensorPayload.from_tensor(out.latents) if out.latents is not None else None,
         trajectory=trajectory,
+        flagged=[i for i, f in enumerate(out.flagged) if f] if out.flagged and any(out.flagged) else None,
     )

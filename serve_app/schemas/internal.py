@@ -58,6 +58,7 @@ class PreparedRequest(_Wire):
     return_latents: bool = False
     return_trajectory: bool = False
     rollout: Rollout | None = None
+    moderation: str | None = None
     extra: dict[str, Any] = Field(default_factory=dict)
     loras: list[LoraRef] = Field(default_factory=list)  # by name, each with its scale and path resolved
     acceleration: Acceleration = "none"
@@ -80,7 +81,7 @@ class PreparedRequest(_Wire):
     checkpoint: str | None = None
     checkpoint_source: str | None = None
     # Whether the caller chose the seed (only such a request may be answered from the cache).
-    seed_given: bool = True
+    seed_given: bool = False
 
     @classmethod
     def from_request(
@@ -135,6 +136,7 @@ class PreparedRequest(_Wire):
             return_latents=request.return_latents,
             return_trajectory=request.return_trajectory,
             rollout=request.rollout,
+            moderation=request.moderation,
             extra=request.extra,
             loras=loras or [],
             acceleration=request.acceleration or acceleration,
@@ -198,6 +200,9 @@ class GenerationResult(_Wire):
     latents: TensorPayload | None = None
     trajectory: Trajectory | None = None
     final_output_type: str = "image"
+    flagged: list[int] | None = Field(
+        None, description="The images the safety checker flagged and blanked (their indices), if any."
+    )
     attempts: int = Field(1, description="Replicas tried: more than 1 when a replica died mid-request.")
 
     def pil_images(self) -> list[Any]:

@@ -107,7 +107,6 @@ class _ImagesCommon(GenerationParams):
     # OpenAI fields accepted for compatibility and ignored by diffusion models
     style: str | None = None
     user: str | None = None
-    moderation: str | None = None
     # Extensions: streaming
     stream: bool = Field(
         False, description="Answer with Server-Sent Events: a step event per step, then the result."
