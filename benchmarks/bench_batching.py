@@ -38,7 +38,7 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 
 from bench_tenants import KEY_A, KEY_B
 from bench_tenants import run as tenant_run
-from common import pct, start_app, stop_app, write_json
+from common import median_call_s, pct, start_app, stop_app, write_json
 
 GOALS = {
     "lone_vs_call": ("<=", 1.05),
@@ -66,14 +66,7 @@ def raw_calls(size: int, steps: int, batches: tuple[int, ...], rounds: int = 3) 
     params = CallParams(height=size, width=size, steps=steps, guidance_scale=7.5)
     out = {}
     for n in batches:
-        rows = [Row(f"a lighthouse {k}", None, k) for k in range(n)]
-        engine.run(rows, params)
-        times = []
-        for _ in range(rounds):
-            t = time.perf_counter()
-            engine.run(rows, params)
-            times.append(time.perf_counter() - t)
-        out[n] = statistics.median(times)
+        out[n] = median_call_s(engine, [Row(f"a lighthouse {k}", None, k) for k in range(n)], params, rounds)
     engine.close()
     return out
 

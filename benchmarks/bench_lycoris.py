@@ -13,12 +13,10 @@ time against LoRA's (the median of `--rounds`), and writes JSON (`--out`).
 
 from __future__ import annotations
 
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
-from common import write_json
+from common import median_call_s, write_json
 
 
 def main() -> None:
@@ -54,13 +52,7 @@ def main() -> None:
     def call_s(kind: str | None) -> float:
         rows = [Row(f"a lighthouse {k}", None, k, adapters=((f"{kind}{k}", 1.0),) if kind else ())
                 for k in range(a.rows)]  # fmt: skip
-        engine.run(rows, params)  # warm
-        times = []
-        for _ in range(a.rounds):
-            t = time.perf_counter()
-            engine.run(rows, params)
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
+        return median_call_s(engine, rows, params, a.rounds)
 
     secs = {kind or "none": call_s(kind) for kind in ("lora", "loha", "lokr", "dora", None)}
     res = {

@@ -11,10 +11,7 @@ each and their ratio (the median of `--rounds` calls), and writes JSON (`--out`)
 
 from __future__ import annotations
 
-import statistics
-import time
-
-from common import parser, write_json
+from common import median_call_s, parser, write_json
 
 
 def main() -> None:
@@ -37,16 +34,7 @@ def main() -> None:
         "rollout": CallParams(**base, rollout=spec, sampler=sampler, return_trajectory=True),
     }
 
-    def median_s(params: CallParams) -> float:
-        engine.run(rows, params)  # warm
-        times = []
-        for _ in range(a.rounds):
-            t = time.perf_counter()
-            engine.run(rows, params)
-            times.append(time.perf_counter() - t)
-        return statistics.median(times)
-
-    secs = {name: median_s(p) for name, p in calls.items()}
+    secs = {name: median_call_s(engine, rows, p, a.rounds) for name, p in calls.items()}
     per_s = {name: a.group / s for name, s in secs.items()}
     res = {
         "model": a.model, "device": a.device, "size": a.size, "steps": a.steps, "group": a.group,

@@ -13,11 +13,10 @@ without (the median of `--rounds`), and writes JSON (`--out`).
 
 from __future__ import annotations
 
-import statistics
 import tempfile
 import time
 
-from common import parser, write_json
+from common import median_call_s, parser, write_json
 
 
 def vit_b16_checker(out_dir: str) -> str:
@@ -49,13 +48,8 @@ def main() -> None:
     secs, images = {}, None
     for name, cfg in (("without", None), ("with", safety)):
         engine = DiffusionEngine(ModelConfig(source=a.model, device=a.device, warmup=False, safety=cfg))
-        images = engine.run(rows, params).images  # warm
-        times = []
-        for _ in range(a.rounds):
-            t = time.perf_counter()
-            engine.run(rows, params)
-            times.append(time.perf_counter() - t)
-        secs[name] = statistics.median(times)
+        secs[name] = median_call_s(engine, rows, params, a.rounds)
+        images = engine.run(rows, params).images
         if cfg is not None:
             checker_obj = engine._runner.safety
             t = time.perf_counter()

@@ -28,6 +28,20 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
 
 
+def median_call_s(engine, rows, params, rounds: int) -> float:
+    """The median seconds of `rounds` engine calls over `rows` (after one call to warm up)."""
+    import statistics
+    import time
+
+    engine.run(rows, params)
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        engine.run(rows, params)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
 def start_app(args: dict[str, Any], device: str, port: int):
     """A fresh local Ray (never a cluster already running here), Serve on `port`, the app at `/`."""
     import ray

@@ -37,6 +37,25 @@ def pixels(e: DiffusionEngine, rows=None, **kw) -> list[np.ndarray]:
     return [np.asarray(im).astype(int) for im in out.images]
 
 
+def random_dora(
+    w: torch.Tensor, key: str, alpha: float, g: torch.Generator
+) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """A rank-4 kohya DoRA module for weight `w` (its magnitudes 0.5-1.5 times the weight's row
+    norms, LyCORIS's (out, 1, ...) shape): its keys, its `up @ down` and its magnitudes."""
+    down = torch.randn(4, *w.shape[1:], generator=g) * 0.3
+    up = torch.randn(w.shape[0], 4, *[1] * (w.dim() - 2), generator=g) * 0.3
+    m = w.flatten(1).norm(dim=1) * (0.5 + torch.rand(w.shape[0], generator=g))
+    keys = {f"{key}.lora_down.weight": down, f"{key}.lora_up.weight": up, f"{key}.alpha": torch.tensor(alpha),
+            f"{key}.dora_scale": m.reshape(-1, *[1] * (w.dim() - 1))}  # fmt: skip
+    return keys, (up.flatten(1) @ down.flatten(1)).reshape(w.shape), m
+
+
+def dora_weight(w: torch.Tensor, delta: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """DoRA's merged weight: `m * (w + delta) / ||w + delta||`, the norm per output."""
+    v = w + delta
+    return v * (m / v.flatten(1).norm(dim=1)).reshape(-1, *[1] * (w.dim() - 1))
+
+
 @pytest.fixture(scope="module")
 def made(tmp_path_factory):
     """A DoRA file (rank 4, alpha 2: k = 0.5 a unit of scale), a plain LoRA file, and each
@@ -45,14 +64,9 @@ def made(tmp_path_factory):
     unet = engine().pipe.unet
     state, parts = {}, {}
     for module in (*LINEAR, CONV):
-        w = unet.get_submodule(module).weight.detach()
-        down = torch.randn(4, *w.shape[1:], generator=g) * 0.3
-        up = torch.randn(w.shape[0], 4, *[1] * (w.dim() - 2), generator=g) * 0.3
-        m = w.flatten(1).norm(dim=1) * (0.5 + torch.rand(w.shape[0], generator=g))  # LyCORIS: (out, 1, ...)
-        state.update({f"{kohya(module)}.lora_down.weight": down, f"{kohya(module)}.lora_up.weight": up,
-                      f"{kohya(module)}.alpha": torch.tensor(2.0),
-                      f"{kohya(module)}.dora_scale": m.reshape(-1, *[1] * (w.dim() - 1))})  # fmt: skip
-        parts[module] = ((up.flatten(1) @ down.flatten(1)).reshape(w.shape), m)
+        keys, delta, m = random_dora(unet.get_submodule(module).weight.detach(), kohya(module), 2.0, g)
+        state.update(keys)
+        parts[module] = (delta, m)
     save_file(state, str(root / "dora.safetensors"))
     up, down = torch.randn(64, 4, generator=g) * 0.3, torch.randn(4, 256, generator=g) * 0.3
     save_file({f"{kohya(FF)}.lora_up.weight": up, f"{kohya(FF)}.lora_down.weight": down,
@@ -70,8 +84,7 @@ def merged(parts: dict, scale: float = 1.0, lora: dict | None = None) -> Diffusi
     with torch.no_grad():
         for module, (delta, m) in parts.items():
             w = e.pipe.unet.get_submodule(module).weight
-            v = w + scale * 0.5 * delta
-            w.copy_(v * (m / v.flatten(1).norm(dim=1)).reshape(-1, *[1] * (w.dim() - 1)))
+            w.copy_(dora_weight(w, scale * 0.5 * delta, m))
         for module, delta in (lora or {}).items():
             e.pipe.unet.get_submodule(module).weight += delta
     return e
@@ -243,10 +256,8 @@ def test_a_loha_module_with_a_dora_scale_makes_its_merged_image(tmp_path):
         m = w.flatten(1).norm(dim=1) * (0.5 + torch.rand(w.shape[0], generator=g))
         state.update({f"{kohya(module)}.{k}": v for k, v in parts.items()})
         state[f"{kohya(module)}.dora_scale"] = m.reshape(-1, *[1] * (w.dim() - 1))
-        v = w + delta
         with torch.no_grad():
-            gain = (m / v.flatten(1).norm(dim=1)).reshape(-1, *[1] * (w.dim() - 1))
-            reference.pipe.unet.get_submodule(module).weight.copy_(v * gain)
+            reference.pipe.unet.get_submodule(module).weight.copy_(dora_weight(w, delta, m))
     save_file(state, str(tmp_path / "loha-dora.safetensors"))
     e.load_lora("ld", str(tmp_path / "loha-dora.safetensors"))
     got = pixels(e, loras=(("ld", 1.0),))[0]
@@ -268,24 +279,12 @@ def test_an_sdxl_kohya_dora_file_under_the_original_unet_names_makes_its_merged_
     state = {}
     for module, key in names.items():
         w = e.pipe.unet.get_submodule(module).weight.detach().clone()
-        down = torch.randn(4, *w.shape[1:], generator=g) * 0.3
-        up = torch.randn(w.shape[0], 4, *[1] * (w.dim() - 2), generator=g) * 0.3
-        m = w.flatten(1).norm(dim=1) * (0.5 + torch.rand(w.shape[0], generator=g))
-        state.update({f"lora_unet_{key}.lora_down.weight": down, f"lora_unet_{key}.lora_up.weight": up,
-                      f"lora_unet_{key}.alpha": torch.tensor(4.0),
-                      f"lora_unet_{key}.dora_scale": m.reshape(-1, *[1] * (w.dim() - 1))})  # fmt: skip
-        v = w + (up.flatten(1) @ down.flatten(1)).reshape(w.shape)
+        keys, delta, m = random_dora(w, f"lora_unet_{key}", 4.0, g)
+        state.update(keys)
         with torch.no_grad():
-            gain = (m / v.flatten(1).norm(dim=1)).reshape(-1, *[1] * (w.dim() - 1))
-            reference.pipe.unet.get_submodule(module).weight.copy_(v * gain)
+            reference.pipe.unet.get_submodule(module).weight.copy_(dora_weight(w, delta, m))
     save_file(state, str(tmp_path / "sdxl-dora.safetensors"))
     e.load_lora("d", str(tmp_path / "sdxl-dora.safetensors"))
     got = pixels(e, loras=(("d", 1.0),))[0]
-    assert (
-        np.abs(got - pixels(reference)[0]).max() <= 1
-        and np.abs(got - pixels(engine_of(config))[0]).max() > 10
-    )
-
-
-def engine_of(config: ModelConfig) -> DiffusionEngine:
-    return DiffusionEngine(config)
+    base = pixels(DiffusionEngine(config))[0]
+    assert np.abs(got - pixels(reference)[0]).max() <= 1 and np.abs(got - base).max() > 10
