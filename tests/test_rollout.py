@@ -162,7 +162,9 @@ def test_a_rollout_over_http_returns_a_group_s_log_probs_and_refuses_a_bad_one(c
     trajectory with its start, the stochastic steps and a (n, steps) float32 table; a sampler
     the model cannot run is a 400 naming `rollout.sampler`."""
     from serve_app.schemas import TensorPayload
+    from tests.conftest import replica_ids
 
+    before = replica_ids(client)
     body = {"prompt": "a red circle", "seed": 5, "n": 3, "size": "32x32", "num_inference_steps": 3}
     r = client.post("/v1/images/generations", json={**body, "rollout": {"window": [1, 3]}})
     assert r.status_code == 200, r.text
@@ -177,3 +179,4 @@ def test_a_rollout_over_http_returns_a_group_s_log_probs_and_refuses_a_bad_one(c
     assert both.status_code == 400 and both.json()["error"]["param"] == "sigma_schedule", both.text
     odd = client.post("/v1/images/generations", json={**body, "rollout": {"noise_level": 0}})
     assert odd.status_code in (400, 422) and "rollout" in odd.text, odd.text
+    assert replica_ids(client) == before  # the refusals left the replica as it was
