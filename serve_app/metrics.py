@@ -71,6 +71,17 @@ def _m():
             boundaries=_MS_BUCKETS,
             tag_keys=("model", "tenant"),
         ),
+        "preemptions": metrics.Counter(
+            "diffusion_preemptions_total",
+            "Calls paused at a step boundary for requests of a higher priority.",
+            tag_keys=("model",),
+        ),
+        "priority_wait_ms": metrics.Histogram(
+            "diffusion_priority_queue_wait_ms",
+            "Time requests waited in a replica's queue, by priority level (0-9).",
+            boundaries=_MS_BUCKETS,
+            tag_keys=("model", "priority"),
+        ),
         "tenant_rejected": metrics.Counter(
             "diffusion_tenant_quota_rejected_total",
             "Requests refused by a tenant quota, by the limit.",
@@ -136,6 +147,14 @@ def tenant_done(model: str, tenant: str, images: int, wait_ms: float) -> None:
     m = _m()
     m["tenant_images"].inc(images, {"model": model, "tenant": tenant})
     m["tenant_wait_ms"].observe(wait_ms, {"model": model, "tenant": tenant})
+
+
+def count_preemption(model: str) -> None:
+    _m()["preemptions"].inc(1, {"model": model})
+
+
+def priority_waited(model: str, priority: int, wait_ms: float) -> None:
+    _m()["priority_wait_ms"].observe(wait_ms, {"model": model, "priority": str(priority)})
 
 
 def tenant_rejected(tenant: str, limit: str) -> None:

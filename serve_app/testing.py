@@ -55,6 +55,10 @@ class FaultInjection:
         self._inject(rows)
         return super().run(rows, params, _slowed(rows, step_hook))
 
+    def run_paused(self, rows, params, step_hook=None):  # a call that preempts another
+        self._inject(rows)
+        return super().run_paused(rows, params, _slowed(rows, step_hook))
+
     def _row_call(self, rows, params, step_hook, stand_in):  # a seat's part of a joined call
         self._inject(rows)
         return super()._row_call(rows, params, _slowed(rows, step_hook), stand_in)
@@ -251,6 +255,12 @@ class FakeEngine:
 
     def can_join(self, params) -> bool:
         return False  # whole calls only: joining is proven on the real engine
+
+    def can_pause(self, params) -> bool:
+        return True  # its calls keep no state between steps but their own
+
+    def run_paused(self, rows, params, step_hook=None):
+        return self.run(rows, params, step_hook)
 
     def open_joined(self, params, adapters=()):
         raise NotImplementedError("FakeEngine runs whole calls only")

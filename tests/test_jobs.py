@@ -49,6 +49,8 @@ def test_a_job_answers_at_once_and_keeps_its_result(client):
     assert done["state"] == "done" and done["step"] == done["total_steps"] == 4, done
     assert [o["seed"] for o in done["outputs"]] == [11, 12]
     plain = client.post(GEN, json=body).json()
+    # A job runs at `batch` priority unless it asks; a plain request at `interactive` (issue 58).
+    assert done["metrics"]["priority"] == 0 and plain["metrics"]["priority"] == 5, (done, plain["metrics"])
     for out, ref in zip(done["outputs"], plain["data"], strict=True):
         content = client.get(out["content_url"])
         assert content.headers["content-type"] == "image/png"

@@ -4,7 +4,8 @@ stand-in for an unsafe-content classifier, on the trained shapes model, whose pr
 the background. A flagged image is refused (a 400 `moderation_blocked`, on the OpenAI and the
 A1111 routes) or blanked and listed, per config; an unflagged one passes; OpenAI's
 `moderation: low` uses the looser threshold; a checker that fails lets no image through (a
-503); a checker whose labels do not fit fails the start naming the field."""
+503); a checker whose labels do not fit fails the start naming the field. Diffusers'
+`StableDiffusionSafetyChecker`, built small and steered here, is proven the same way."""
 
 from __future__ import annotations
 
@@ -136,3 +137,58 @@ def test_the_openai_and_a1111_routes_refuse_a_flagged_image(checker, ray_cluster
         assert base64.b64decode(ok.json()["data"][0]["b64_json"])[:4] == b"\x89PNG"
     finally:
         serve.delete("safety", _blocking=False)
+
+
+def sd_checker(out_dir, red, blue) -> tuple[str, float]:
+    """Diffusers' `StableDiffusionSafetyChecker`, small and seeded, steered to flag `red`: its
+    first concept points from `blue`'s embedding to `red`'s, its threshold halfway between the
+    two images' similarities to it (every other concept and special care never match). Saved as
+    a directory with safetensors weights and its CLIP image processor; returns it and the red
+    image's margin."""
+    from diffusers.pipelines.stable_diffusion.safety_checker import (
+        StableDiffusionSafetyChecker,
+        cosine_distance,
+    )
+    from transformers import CLIPConfig, CLIPImageProcessor
+
+    torch.manual_seed(0)
+    vision = dict(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  intermediate_size=64)  # fmt: skip
+    text = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    model = StableDiffusionSafetyChecker(
+        CLIPConfig(vision_config=vision, text_config=text, projection_dim=16)
+    )
+    processor = CLIPImageProcessor(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    with torch.no_grad():
+        pixels = processor(images=[red, blue], return_tensors="pt")["pixel_values"]
+        e = model.visual_projection(model.vision_model(pixels)[1])
+        e = torch.nn.functional.normalize(e)
+        model.concept_embeds[0] = e[0] - e[1]
+        cos = cosine_distance(e, model.concept_embeds[:1])[:, 0]
+        model.concept_embeds_weights.fill_(2.0)
+        model.concept_embeds_weights[0] = (cos[0] + cos[1]) / 2
+        model.special_care_embeds_weights.fill_(2.0)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    processor.save_pretrained(out_dir)
+    return str(out_dir), float(cos[0] - cos[1]) / 2
+
+
+def test_diffusers_stable_diffusion_safety_checker_flags_by_its_own_rule(plain, tmp_path):
+    """Issue 58: a `StableDiffusionSafetyChecker` directory is a checker too. At margin 0 its
+    verdict is diffusers' own (`forward`); `moderation: low` uses `low_margin`; inside the
+    engine's call it refuses the flagged image."""
+    directory, red_margin = sd_checker(tmp_path, *plain)
+    assert red_margin > 0.01
+    checker = SafetyChecker(SafetyConfig(checker=directory, low_margin=2 * red_margin), torch.device("cpu"))
+    assert checker.concepts and checker.apply(plain, None)[1] == [True, False]
+    assert checker.apply(plain, "low")[1] == [False, False]
+    pixels = checker.processor(images=plain, return_tensors="pt")["pixel_values"]
+    _, verdict = checker.model(clip_input=pixels, images=[np.asarray(i) for i in plain])
+    assert verdict == [True, False]  # diffusers' own forward agrees
+    safety = SafetyConfig(checker=directory)
+    out = run(
+        DiffusionEngine(ModelConfig(source="builtin:shapes", device="cpu", warmup=False, safety=safety))
+    )
+    assert out.flagged == [True, False] and out.refuse_flagged
+    with pytest.raises(ModelLoadError, match="model.safety.flagged_labels: diffusers' checker"):
+        SafetyChecker(SafetyConfig(checker=directory, flagged_labels=["nsfw"]), torch.device("cpu"))

@@ -171,6 +171,7 @@ async def _enter(tenants, request, wait):
 
 KEY_A, KEY_B, KEY_Q, ADMIN = "tenant-a-key-1", "tenant-b-key-2", "tenant-q-key-3", "tenant-admin-9"
 KEY_N = "tenant-n-key-4"
+KEY_P = "tenant-p-key-5"
 APP = "tenants"
 P = f"/{APP}"
 GEN = f"{P}/v1/images/generations"
@@ -189,6 +190,7 @@ def tenants_app(ray_cluster):
         {"name": "team-b", "api_keys": [KEY_B], "images_per_minute": 2},
         {"name": "team-q", "api_keys": [KEY_Q], "max_queued": 0},
         {"name": "team-n", "api_keys": [KEY_N], "images_per_minute": 3},
+        {"name": "team-p", "api_keys": [KEY_P], "max_priority": "batch"},
         {"name": "heavy", "weight": 3},
         {"name": "light", "weight": 1},
     ]
@@ -338,3 +340,22 @@ def test_on_a_service_without_keys_a_made_up_key_is_no_tenant_of_its_own(client)
     assert r.status_code == 200, r.text
     names = [t["tenant"] for t in client.get("/v1/status").json()["tenants"]]
     assert "default" in names and not any(n.startswith("key-") for n in names), names
+
+
+@pytest.mark.slow
+def test_a_tenant_cannot_raise_its_priority_past_its_maximum(tenants_app, base_url):
+    """Issue 58: `priority` above the tenant's `max_priority` is a 400 naming it; the default
+    (interactive) is lowered to the maximum, not refused; a handle caller is held to it too."""
+    for key, priority in ((KEY_P, "interactive"), (KEY_P, 1), (KEY_A, 9)):
+        r = call(base_url, key, priority=priority)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+        assert "max_priority" in r.json()["error"]["message"]
+    bad = call(base_url, KEY_A, priority="urgent")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority", bad.text
+    for key, body in ((KEY_P, {}), (KEY_P, {"priority": "batch"}), (KEY_A, {"priority": "interactive"})):
+        r = call(base_url, key, num_inference_steps=2, **body)
+        assert r.status_code == 200, r.text
+    handle = serve.get_app_handle(APP)
+    with pytest.raises(InvalidRequest) as e:
+        handle.generate.remote({"prompt": "x", "tenant": "team-p", "priority": 3}).result()
+    assert e.value.param == "priority"

@@ -19,6 +19,7 @@ from serve_app.config.deployments import (  # re-exported: one configuration
     MultiplexSettings,
     ReplicaConfig,
 )
+from serve_app.config.services import PRIORITIES as PRIORITIES
 from serve_app.config.services import (  # re-exported: one configuration
     AuthConfig,
     CheckpointsConfig,
@@ -29,6 +30,8 @@ from serve_app.config.services import (  # re-exported: one configuration
     TenantConfig,
     _Strict,
 )
+from serve_app.config.services import Priority as Priority
+from serve_app.config.services import priority_level as priority_level
 from serve_app.formats.layouts import PICKLE_REASON, is_pickle_name, is_single_file
 
 BUILTIN_PREFIX = "builtin:"
@@ -91,17 +94,30 @@ class SafetyConfig(_Strict):
     """An image classifier every image passes before it is returned (off unless given)."""
 
     checker: str = Field(
-        description="A local directory holding a transformers image-classification model (config.json, "
-        "safetensors weights, preprocessor_config.json)."
+        description="A local directory holding a transformers image-classification model, or diffusers' "
+        "`StableDiffusionSafetyChecker` (config.json, safetensors weights, preprocessor_config.json)."
     )
     flagged_labels: list[str] = Field(
-        min_length=1, max_length=64, description="The checker's labels that mark an image as unsafe."
+        default_factory=list,
+        max_length=64,
+        description="An image classifier's labels that mark an image as unsafe (at least one; not for "
+        "diffusers' checker, which flags its own concepts).",
     )
     threshold: float = Field(
         0.5, gt=0, le=1, description="An image whose flagged labels' probability reaches this is flagged."
     )
     low_threshold: float = Field(
         0.8, gt=0, le=1, description="The threshold of requests with `moderation: low` (looser: higher)."
+    )
+    margin: float = Field(
+        0.0,
+        ge=-1,
+        le=1,
+        description="Diffusers' checker: an image is flagged where its similarity to one of the checker's "
+        "concepts exceeds that concept's own threshold by more than this (0: the checker's own verdict).",
+    )
+    low_margin: float = Field(
+        0.02, ge=-1, le=1, description="Diffusers' checker: the margin of requests with `moderation: low`."
     )
     action: Literal["refuse", "blank"] = Field(
         "refuse",

@@ -148,6 +148,18 @@ class BatchingConfig(_Strict):
         ),
     )
 
+    preempt_after_ms: float | None = Field(
+        100.0,
+        ge=0,
+        description=(
+            "How long a request may wait behind a running call of a lower priority (`priority`: a "
+            "batch job behind which an interactive image waits) before that call pauses at its next "
+            "denoising step, the waiting request runs, and the paused call resumes where it stopped "
+            "(the same images as unpaused). Calls with a step cache, on a compiled or CPU-offloaded "
+            "denoiser, with different adapters per row, or run joined are not paused. null: never."
+        ),
+    )
+
     def joins_on(self, device_type: str) -> bool:
         """Whether step joining is on for a model on a device of `device_type` ("cuda", "cpu")."""
         return self.step_joining if self.step_joining is not None else device_type == "cuda"

@@ -4,8 +4,17 @@ jobs. Part of the one configuration (`serve_app.config`); no torch or diffusers 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    WithJsonSchema,
+    field_validator,
+    model_validator,
+)
 
 
 class _Strict(BaseModel):
@@ -200,6 +209,30 @@ class CheckpointsConfig(_Strict):
 
 TENANT_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}"
 
+# A request's priority: a name or a level 0-9, higher first. Asynchronous jobs default to
+# `batch`, other requests to `interactive`.
+PRIORITIES = {"batch": 0, "interactive": 5}
+
+
+def _priority(value: object) -> str | int:
+    if isinstance(value, str) and value in PRIORITIES:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 9:
+        return value
+    raise ValueError("must be `batch`, `interactive` or a whole number 0-9")
+
+
+Priority = Annotated[
+    str | int,
+    PlainValidator(_priority),
+    WithJsonSchema({"anyOf": [{"enum": list(PRIORITIES)}, {"type": "integer", "minimum": 0, "maximum": 9}]}),
+]
+
+
+def priority_level(priority: Priority) -> int:
+    """The level of a priority given by name or number."""
+    return PRIORITIES[priority] if isinstance(priority, str) else priority
+
 
 class TenantConfig(_Strict):
     """A named group of user keys that shares the service as one: its weight in each replica's
@@ -217,6 +250,11 @@ class TenantConfig(_Strict):
     )
     weight: float = Field(
         1.0, gt=0, le=1000, description="Its share of a replica against other backlogged tenants."
+    )
+    max_priority: Priority = Field(
+        "interactive",
+        description="The highest `priority` its requests may ask for (`batch`, `interactive` or 0-9; "
+        "higher runs first and may pause a running call of a lower one); above it: 400.",
     )
     max_concurrent: int | None = Field(
         None,

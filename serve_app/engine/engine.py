@@ -323,6 +323,27 @@ class DiffusionEngine:
         """Run one pipeline call over `rows`; raises whatever the pipeline raises."""
         return self._runner.whole(rows, params, step_hook, self._row_adapters)
 
+    def can_pause(self, params: CallParams) -> bool:
+        """Whether a call with `params` may be paused at a step boundary for another call, or be
+        that other call (`run_paused`): not with a step cache (its hooks on the denoiser follow
+        one call's steps and would see the other's), a compiled denoiser or CPU offload."""
+        opt = self.cfg.optimizations
+        return params.acceleration == "none" and not opt.compile_denoiser and opt.cpu_offload == "none"
+
+    def run_paused(
+        self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None = None
+    ) -> EngineOutput:
+        """Run one call while another call of this engine is paused in its step hook (preemption).
+        The paused call's latents, generators and scheduler stay its own: this one runs on a
+        copy of the pipeline with a scheduler of its own, and the paused call's adapter set is
+        put back in force after it, so the paused call resumes as if it had never stopped."""
+        paused = self._in_force.active
+        try:
+            return self._runner.whole(rows, params, step_hook, self._row_adapters, inside=True)
+        finally:
+            self._in_force.forget()
+            self._in_force.set(paused or ())
+
     def can_join(self, params: CallParams) -> bool:
         """Whether calls with `params` can run joined (`open_joined`): not with a step cache
         (its state follows one call's steps), a compiled denoiser (every new batch size would

@@ -44,6 +44,9 @@ class Seat:
         self.call: tuple[tuple, dict] | None = None  # the denoiser call it waits on
         self._answer: tuple[Any, BaseException | None] | None = None
         self.done = False
+        # Parked: left out of the steps (its call waits at its denoiser call, its state kept)
+        # until unparked, when it goes on where it stopped (preemption of a joined run).
+        self.parked = False
         self.output: Any = None
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._main, name="row", daemon=True)
@@ -106,8 +109,13 @@ class StepBatch:
 
     @property
     def active(self) -> int:
-        """Rows of the seats still running."""
+        """Rows of the seats still running (parked ones included)."""
         return sum(s.rows for s in self.seats if not s.done)
+
+    @property
+    def stepping(self) -> int:
+        """Rows of the seats still running that are not parked: those a step runs."""
+        return sum(s.rows for s in self.seats if not s.done and not s.parked)
 
     def add(self, fn: Callable[[StandIn], Any], rows: int = 1) -> Seat:
         """Start a seat of `rows` rows: `fn(stand_in)` runs its pipeline with `stand_in` as the
@@ -125,7 +133,7 @@ class StepBatch:
     def step(self) -> list[Seat]:
         """One denoising step for every waiting row; returns the rows that ended (their last
         step and decode done, or failed) since the last step, and forgets them."""
-        waiting = [s for s in self.seats if s.call is not None]
+        waiting = [s for s in self.seats if s.call is not None and not s.parked]
         for group in _groups(waiting):
             self._run(group)
         for seat in waiting:

@@ -20,6 +20,15 @@ class Engine(Protocol):
     def run(self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None = None) -> EngineOutput:
         """One pipeline call over `rows` that share `params`; raises what the pipeline raises."""
 
+    def can_pause(self, params: CallParams) -> bool:
+        """Whether calls with `params` may pause at a step boundary for another call, or be it."""
+
+    def run_paused(
+        self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None = None
+    ) -> EngineOutput:
+        """One call run from inside the step hook of a paused call (`run`), which then resumes
+        unchanged."""
+
     def can_join(self, params: CallParams) -> bool:
         """Whether calls with `params` can run joined (`open_joined`); else they run whole."""
 

@@ -130,14 +130,21 @@ class Runner:
         self._hook_handle = denoiser.register_forward_pre_hook(self._on_denoiser_call)
 
     def whole(
-        self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None, adapters: AdapterSetUp
+        self,
+        rows: Sequence[Row],
+        params: CallParams,
+        step_hook: StepHook | None,
+        adapters: AdapterSetUp,
+        inside: bool = False,
     ) -> EngineOutput:
         """One pipeline call over `rows`, with their adapters put in force by `adapters`;
-        raises whatever the pipeline raises."""
+        raises whatever the pipeline raises. `inside`: another call is paused in its step hook
+        (preemption), so this one keeps its state on a copy of the pipeline and a scheduler of
+        its own, and leaves the paused call's record as it found it."""
         if not rows:
             raise ValueError("run() needs at least one row")
         st = _CallState(t0=time.perf_counter())
-        pipe = self._scheduled(self.task_pipes[params.task], params, rows)
+        pipe = self._scheduled(self.task_pipes[params.task], params, rows, own=inside)
         if params.rollout is not None:
             pipe = self._with_rollout(pipe, params, rows, st)
         with contextlib.ExitStack() as undo:  # the call's set-up, undone whatever happens
@@ -146,12 +153,12 @@ class Runner:
             cache = undo.enter_context(
                 step_cache(find_denoiser(pipe), pipe, params.acceleration, params.steps, self.cache_blocks)
             )
-            self._state = st
+            paused, self._state = self._state, st
             self.memory.start()
             try:
                 return self.call(rows, params, step_hook, pipe, cache, st)
             finally:
-                self._state = None
+                self._state = paused
 
     def row_call(
         self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None, stand_in
@@ -190,9 +197,16 @@ class Runner:
         st.rollout = scheduler.record
         return pipe
 
-    def _scheduled(self, pipe, params: CallParams, rows: Sequence[Row]):
-        """`pipe`, or a shallow copy of it whose scheduler is the call's sampler's."""
-        scheduler = self._scheduler(params, rows)
+    def _scheduled(self, pipe, params: CallParams, rows: Sequence[Row], own: bool = False):
+        """`pipe`, or a shallow copy of it whose scheduler is the call's sampler's; `own`: always
+        a copy, with a scheduler no other call steps (a deep copy, seeded for `rows`)."""
+        if own:
+            sampled = self.schedulers is not None and params.sampler is not None
+            shared = self.schedulers.get(params.sampler, params.sigma_schedule) if sampled else pipe.scheduler
+            scheduler = copy.deepcopy(shared)
+            seed_noise(scheduler, rows)
+        else:
+            scheduler = self._scheduler(params, rows)
         if scheduler is None:
             return pipe
         pipe = copy.copy(pipe)
@@ -378,6 +392,11 @@ class JoinedRun:
     @property
     def active(self) -> int:
         return self.batch.active
+
+    @property
+    def stepping(self) -> int:
+        """Rows a step runs: the active ones less those of parked seats."""
+        return self.batch.stepping
 
     def add(
         self, rows: Row | Sequence[Row], step_hook: StepHook | None = None, params: CallParams | None = None

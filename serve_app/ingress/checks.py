@@ -231,6 +231,8 @@ async def _form_fields(form) -> dict[str, Any]:
                 raise InvalidRequest(f"{key}: a JSON object in a form field", param=key) from None
             if (odd := odd_json(data.encode("utf-8", "surrogatepass"))) is not None:
                 raise InvalidRequest(f"{key}{odd[0]}: {odd[1]}", param=f"{key}{odd[0]}")
+        elif key == "priority" and isinstance(data, str) and data.isdecimal() and data.isascii():
+            out[key] = int(data)  # a level in a form is text; its names stay text
         else:
             out[key] = data
     if images:

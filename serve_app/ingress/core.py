@@ -94,7 +94,12 @@ class Core:
             request = validated(kind, request)
         if isinstance(request, PreparedRequest):
             await self.target(request).ensure_ready()
-            update = {"tenant_weight": self.tenants.named(request.tenant, implicit=True).cfg.weight}
+            update = {
+                "tenant_weight": self.tenants.named(request.tenant, implicit=True).cfg.weight,
+                "priority": self.tenants.priority(  # the default, if the caller left it
+                    request.tenant, request.priority if "priority" in request.model_fields_set else None
+                ),
+            }
             if request.checkpoint is not None:  # its source as registered now, never the caller's
                 update["checkpoint_source"] = self.models.find(request.checkpoint)[2]
             return request.model_copy(update=update)
@@ -141,6 +146,7 @@ class Core:
             checkpoint_source=source,
             tenant=tenant.name,
             tenant_weight=tenant.cfg.weight,
+            priority=self.tenants.priority(tenant.name, request.priority),
         )
         check_edit_steps(prepared, info)
         return prepared

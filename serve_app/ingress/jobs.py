@@ -93,6 +93,10 @@ class JobDesk:
         prepared = (await self.core.prepare(request)).model_copy(
             update={"request_id": new_job_request_id(), "owner": caller}
         )
+        if getattr(request, "priority", None) is None:  # a job runs at `batch` unless it asks
+            prepared = prepared.model_copy(
+                update={"priority": self.core.tenants.priority(prepared.tenant, None, "batch")}
+            )
         self.core.tenants.check_fits(prepared)  # one that could never run is a 400 now, as without a job
         waiting = sum(
             1 for j in self.runner.jobs.values() if j.tenant == prepared.tenant and j.state == "queued"

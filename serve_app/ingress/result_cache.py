@@ -26,7 +26,7 @@ from serve_app.schemas import GenerationResult, PreparedRequest, StageMetrics
 
 MAX_FILES = 256  # of a directory (an adapter or checkpoint) whose files key its results
 # Fields that name a request or say whose it is, not what it makes.
-_NOT_PIXELS = {"request_id", "owner", "tenant_weight", "seed_given"}
+_NOT_PIXELS = {"request_id", "owner", "tenant_weight", "seed_given", "priority"}
 
 
 def _file_identity(path: str | None, roots: list[str]) -> list:

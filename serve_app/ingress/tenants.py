@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from serve_app import metrics
-from serve_app.config import TenantConfig
+from serve_app.config import PRIORITIES, Priority, TenantConfig, priority_level
 from serve_app.errors import InvalidRequest, QuotaExceeded
 from serve_app.schemas import PreparedRequest
 
@@ -103,6 +103,18 @@ class Tenants:
                 raise InvalidRequest(f"tenant: {name[:64]!r} is not a configured tenant", param="tenant")
             tenant = self._tenants[name] = _tenant(TenantConfig(name=name))
         return tenant
+
+    def priority(self, name: str, asked: Priority | None, default: str = "interactive") -> int:
+        """The level a request of tenant `name` runs at: the one it `asked` for (a 400 naming
+        `priority` above the tenant's `max_priority`), else `default`, no higher than that."""
+        most = self.named(name, implicit=True).cfg.max_priority
+        if asked is None:
+            return min(PRIORITIES[default], priority_level(most))
+        if priority_level(asked) > priority_level(most):
+            raise InvalidRequest(
+                f"priority: {asked!r} is above the max_priority {most!r} of tenant {name!r}", param="priority"
+            )
+        return priority_level(asked)
 
     def visible(self, name: str | None) -> list[str]:
         """The tenants a caller may see: all (None: the admin, an open service) or its own."""

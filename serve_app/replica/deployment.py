@@ -228,9 +228,9 @@ class DiffusionReplica(AdapterControl, CheckpointServing):
     def _on_retire(self, job: Job, state: str) -> None:
         metrics.count_request(self.engine.model_name, state, len(job.rows))
         if state == "done" and job.started is not None:
-            metrics.tenant_done(
-                self.engine.model_name, job.tenant, len(job.rows), (job.started - job.enqueued) * 1e3
-            )
+            waited_ms = (job.started - job.enqueued) * 1e3
+            metrics.tenant_done(self.engine.model_name, job.tenant, len(job.rows), waited_ms)
+            metrics.priority_waited(self.engine.model_name, job.priority, waited_ms)
         self._tenant_load(job.tenant)
         self._counts[state] += 1
 
@@ -300,6 +300,7 @@ class DiffusionReplica(AdapterControl, CheckpointServing):
             lora_prefetched=self.adapters.prefetched,
             self_tests_passed=self.health.self_tests_passed,
             argument_failures=self.health.argument_failures,
+            preemptions=s.preemptions,
         )
         return ReplicaStats(
             replica_id=_replica_id(),

@@ -92,6 +92,7 @@ def new_job(engine: Engine, request: PreparedRequest, future: asyncio.Future, pr
         owner=request.owner,
         tenant=request.tenant,
         weight=request.tenant_weight,
+        priority=request.priority,
         # image-steps at its size (a 512x512 image-step is 1), frames and strength counted
         cost=len(rows)
         * params.steps

@@ -27,6 +27,7 @@ from serve_app.errors import EngineFailure, ServingError
 from serve_app.replica.adapters import AdapterResidency
 from serve_app.replica.health import Health
 from serve_app.replica.intake import work
+from serve_app.replica.preemption import Pause, between_steps
 from serve_app.replica.results import step_hook
 from serve_app.replica.scheduler import Job, Scheduler
 
@@ -59,7 +60,43 @@ class _Joined:
     stop: bool = False
     # Rows of the requests let in and not yet answered, by tenant, counted on the event loop:
     # what the run holds or will hold at its next step (the engine thread's count lags behind).
+    # Parked seats' rows are not in it (`preemption.between_steps`).
     admitted: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+    # Seats parked for requests of a higher priority (seat: its rows by tenant), and the seats
+    # to park and unpark at the next step; `news`: something was handed to the engine thread.
+    parked: dict = dataclasses.field(default_factory=dict)
+    park: list = dataclasses.field(default_factory=list)
+    unpark: list = dataclasses.field(default_factory=list)
+    news: threading.Event = dataclasses.field(default_factory=threading.Event)
+
+    def settle(self, scheduler: Scheduler, health: Health) -> None:
+        """Answer each request of a joined call whose rows have all ended. One failed denoiser
+        call fails every request in it with one error, counted once."""
+        members, params = self.members, self.params
+        errors: dict[int, ServingError] = {}
+        for key, m in list(members.items()):
+            if not m.seat.done:
+                continue
+            del members[key]
+            job = m.job
+            if m.seat not in self.parked:  # a parked seat's rows were taken out when it parked
+                self.admitted[job.tenant] -= len(job.rows)
+            scheduler.left(job)
+            if job.state != "running":  # aborted during the call: its images are dropped
+                continue
+            error = m.seat.error
+            if error is not None:
+                if id(error) not in errors:  # judged without a self-test: the run goes on
+                    shared = len(members) + 1
+                    errors[id(error)] = health.classify(error, job.request_id, len(job.rows), params, shared)
+                scheduler.fail(job, errors[id(error)])
+                continue
+            health.consecutive_failures = 0
+            out = m.seat.output.slice(m.start, m.start + len(job.rows))
+            out.batch_images, out.batch_requests = m.images, m.requests
+            scheduler.retire(job, "done")
+            if not job.future.done():
+                job.future.set_result(out)
 
 
 class EngineLoop:
@@ -117,12 +154,12 @@ class EngineLoop:
             finally:
                 self.health.call_started = None
 
-    def _hold_adapters(self, batch: list[Job]) -> None:
+    def _hold_adapters(self, batch: list[Job], paused: list[Job] = ()) -> None:
         """On the engine thread: load the adapters of the call's requests this replica lacks.
-        The scheduler puts at most max_loaded in a call, and none of them is evicted to make
-        room for another."""
+        The scheduler puts at most max_loaded in a call, and none of them (nor one of a call
+        `paused` for this one) is evicted to make room for another."""
         refs = [ref for job in batch for ref in work(job).request.loras]
-        names = {ref.name for ref in refs}
+        names = {ref.name for ref in refs} | {ref.name for job in paused for ref in work(job).request.loras}
         for ref in refs:
             self.adapters.hold(ref.name, ref.path, keep=names)
 
@@ -132,17 +169,27 @@ class EngineLoop:
         """Run `batch` as one call and answer each request with its slice of the output."""
         rows = [r for j in batch for r in j.rows]
         hook = step_hook(batch, loop)
+        pause = Pause.for_call(self, batch, loop)
+        watch = None
+        if pause is not None:  # requests of a higher priority may run between two of its steps
+            hook, watch = pause.hook(hook), loop.create_task(pause.watch())
         try:
             self.health.call_started = time.monotonic()
-            out = await loop.run_in_executor(self._engine_thread, self._run_call, batch, rows, hook)
+            out = await loop.run_in_executor(self._engine_thread, self.run_call, batch, rows, hook)
         except Exception as e:  # one call's failure; the loop goes on
             err = await self._judged(e, batch[0], len(rows), loop, requests=len(batch))
             for job in batch:
                 if job.state == "running":
                     self.scheduler.fail(job, err)
-            return
-        self.health.consecutive_failures = 0
-        self._deliver(batch, out)
+        else:
+            self.health.consecutive_failures = 0
+            self.deliver(batch, out)
+        finally:
+            if watch is not None:
+                watch.cancel()
+        left = pause.left() if pause is not None else []
+        if left:  # handed over after the call's last step: they run now, as a call of their own
+            await self._run_whole(left, loop)
 
     async def _judged(
         self, e: Exception, job: Job, rows: int, loop: asyncio.AbstractEventLoop, requests: int
@@ -164,18 +211,21 @@ class EngineLoop:
             self.health.call_started = None
         return verdict or err
 
-    def _run_call(self, batch: list[Job], rows: list[Row], hook) -> EngineOutput:
+    def run_call(
+        self, batch: list[Job], rows: list[Row], hook, paused: list[Job] | None = None
+    ) -> EngineOutput:
         """On the engine thread: load the call's adapters if this replica lacks them, then run
         the rows in pipeline calls of at most `max_batch_images` (one call unless one job is
-        larger)."""
+        larger). `paused`: the jobs of a call paused in its step hook for this one."""
         params, engine = work(batch[0]).params, work(batch[0]).engine or self.engine
-        self._hold_adapters(batch)
+        self._hold_adapters(batch, paused or ())
+        run = engine.run if paused is None else engine.run_paused
         size = self.batching.max_batch_images
         chunks = [rows[k : k + size] for k in range(0, len(rows), size)]
         parts = []
         for k, chunk in enumerate(chunks):
             offset = k * params.steps  # progress counts on across the calls of one request
-            part = engine.run(chunk, params, lambda i, n, x, o=offset: hook(o + i, n * len(chunks), x))
+            part = run(chunk, params, lambda i, n, x, o=offset: hook(o + i, n * len(chunks), x))
             metrics.observe_batch(engine.model_name, len(chunk))
             parts.append(part)
             if part.interrupted:
@@ -185,7 +235,7 @@ class EngineLoop:
         out.pipeline_calls = len(parts)
         return out
 
-    def _deliver(self, batch: list[Job], out: EngineOutput) -> None:
+    def deliver(self, batch: list[Job], out: EngineOutput) -> None:
         start = 0
         for job in batch:
             part = out.slice(start, start + len(job.rows))
@@ -249,7 +299,7 @@ class EngineLoop:
                 left = list(joined.inbox)
             if run is not None:
                 await on_engine(run.close)
-            self._settle(joined)
+            joined.settle(self.scheduler, self.health)
             everyone = [*batch, *left, *(m.job for m in joined.members.values())]
             if failure is not None:  # judged once the run is closed (the self-test may run)
                 shared = len({id(j) for j in everyone})
@@ -263,9 +313,21 @@ class EngineLoop:
         while True:
             with joined.lock:
                 joining, joined.inbox = joined.inbox, []
+                park, unpark, joined.park, joined.unpark = joined.park, joined.unpark, [], []
+                joined.news.clear()
                 if not joining and not run.active:
                     joined.closed = True
                     return
+            for seat in park:
+                seat.parked = True
+            for seat in unpark:
+                seat.parked = False
+            if not joining and run.stepping == 0:  # only parked seats: until the event loop unparks
+                joined.news.wait(0.05)
+                loop.call_soon_threadsafe(self._between_steps, joined)
+                if self.health.fatal or joined.stop:
+                    return
+                continue
             self._joined_step(run, joined, joining, loop)
             self.health.call_started = time.monotonic()
             loop.call_soon_threadsafe(self._between_steps, joined)
@@ -275,15 +337,17 @@ class EngineLoop:
     def _between_steps(self, joined: _Joined) -> None:
         """On the event loop after a step: answer the requests that are done, and hand the
         queued requests that can join over to the engine thread (none once the run ended)."""
-        self._settle(joined)
+        joined.settle(self.scheduler, self.health)
         with joined.lock:
             if joined.closed:
                 return
-            room = self.batching.max_batch_images - joined.admitted.total()
+            fits = lambda j: all(r.adapters == joined.adapters for r in j.rows)  # noqa: E731
+            key = joined.batch[0].join_key
+            room = between_steps(self, joined, lambda j: j.join_key == key and fits(j))
             if room > 0:
-                fits = lambda j: all(r.adapters == joined.adapters for r in j.rows)  # noqa: E731
-                key = joined.batch[0].join_key
                 joined.inbox += self.scheduler.take_joiners(key, room, fits, joined.admitted)
+            if joined.inbox or joined.park or joined.unpark:
+                joined.news.set()
 
     def _open_joined(self, batch: list[Job], params: CallParams, adapters):
         self._hold_adapters(batch)
@@ -315,33 +379,3 @@ class EngineLoop:
             m.images = max(m.images, run.active)
             m.requests = max(m.requests, len(members))
         run.step()
-
-    def _settle(self, joined: _Joined) -> None:
-        """Answer each request of a joined call whose rows have all ended. One failed denoiser
-        call fails every request in it with one error, counted once."""
-        members, params = joined.members, joined.params
-        errors: dict[int, ServingError] = {}
-        for key, m in list(members.items()):
-            if not m.seat.done:
-                continue
-            del members[key]
-            job = m.job
-            joined.admitted[job.tenant] -= len(job.rows)
-            self.scheduler.left(job)
-            if job.state != "running":  # aborted during the call: its images are dropped
-                continue
-            error = m.seat.error
-            if error is not None:
-                if id(error) not in errors:  # judged without a self-test: the run goes on
-                    shared = len(members) + 1
-                    errors[id(error)] = self.health.classify(
-                        error, job.request_id, len(job.rows), params, shared
-                    )
-                self.scheduler.fail(job, errors[id(error)])
-                continue
-            self.health.consecutive_failures = 0
-            out = m.seat.output.slice(m.start, m.start + len(job.rows))
-            out.batch_images, out.batch_requests = m.images, m.requests
-            self.scheduler.retire(job, "done")
-            if not job.future.done():
-                job.future.set_result(out)

@@ -82,6 +82,7 @@ def build_result(
         batch_requests=out.batch_requests,
         pipeline_calls=out.pipeline_calls,
         steps=out.steps_run,
+        priority=job.priority,
     )
     trajectory = None
     if out.trajectory_latents is not None:

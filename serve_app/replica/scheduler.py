@@ -56,6 +56,9 @@ class Job:
     weight: float = 1.0
     cost: float = 1.0
     start_tag: float = 0.0
+    # Higher runs first (jobs of a priority above a running call's may preempt it); within a
+    # priority, tenants' fair order.
+    priority: int = 0
 
     @property
     def ident(self) -> tuple[str, str]:
@@ -95,6 +98,69 @@ class _Arrivals:
         return lambda tenant: limit - kept if active - {tenant} else limit
 
 
+class _TenantStats:
+    """Per tenant: requests started, their queue wait, images done."""
+
+    def __init__(self):
+        self.counts: collections.defaultdict[str, collections.Counter] = collections.defaultdict(
+            collections.Counter
+        )
+
+    def started(self, job: Job, now: float) -> None:
+        stats = self.counts[job.tenant]
+        stats["started"] += 1
+        stats["queue_wait_us"] += int((now - job.enqueued) * 1e6)
+
+    def report(self, queue, running) -> dict[str, dict[str, int]]:
+        """Per tenant: queued and running requests and images, images done, queue wait (ms)."""
+        out: dict[str, dict[str, int]] = {}
+        for name, c in self.counts.items():
+            out[name] = {"images_done": c["images_done"], "started": c["started"],
+                         "queue_wait_ms": c["queue_wait_us"] // 1000}  # fmt: skip
+        for where, jobs in (("queued", queue), ("running", running)):
+            for j in jobs:
+                t = out.setdefault(j.tenant, {"images_done": 0, "started": 0, "queue_wait_ms": 0})
+                t[f"{where}_requests"] = t.get(f"{where}_requests", 0) + 1
+                t[f"{where}_images"] = t.get(f"{where}_images", 0) + len(j.rows)
+        return out
+
+
+def _order(job: Job) -> tuple[int, float]:
+    """Where a job goes in the queue: by priority (highest first), then by start tag."""
+    return (-job.priority, job.start_tag)
+
+
+class _FairTags:
+    """Start-time fair queueing: a job's start tag is the later of the virtual time (the tag of
+    the work last started) and its tenant's previous finish tag. One tenant alone: arrival
+    order, and all of the replica."""
+
+    def __init__(self):
+        self.vtime = 0.0
+        self.finish: dict[str, float] = {}
+
+    def tag(self, job: Job, idle: bool) -> None:
+        if idle:  # a busy period ends: nobody owes anything
+            self.vtime = max([self.vtime, *self.finish.values()])
+            self.finish.clear()
+        job.start_tag = max(self.vtime, self.finish.get(job.tenant, 0.0))
+        self.finish[job.tenant] = job.start_tag + job.cost / job.weight
+
+    def started(self, job: Job) -> None:
+        self.vtime = max(self.vtime, job.start_tag)
+
+    def refund(self, job: Job, queue) -> bool:
+        """`job` left the queue without running: its tenant is not charged for it, so its later
+        jobs in `queue` move up by its share. Whether any moved."""
+        share = job.cost / job.weight
+        if job.tenant in self.finish:
+            self.finish[job.tenant] -= share
+        later = [j for j in queue if j.tenant == job.tenant and j.start_tag > job.start_tag]
+        for j in later:
+            j.start_tag -= share
+        return bool(later)
+
+
 @dataclass(frozen=True)
 class _LastCall:
     key: Hashable
@@ -124,14 +190,9 @@ class Scheduler:
         self._arrivals = _Arrivals()
         self._wakeup = asyncio.Event()
         self._on_retire = on_retire
-        # Start-time fair queueing: a job's start tag is the later of the virtual time (the tag
-        # of the work last started) and its tenant's previous finish tag; the queue is kept in
-        # start-tag order. One tenant alone: arrival order, and all of the replica.
-        self._vtime = 0.0
-        self._finish: dict[str, float] = {}
-        self.tenant_stats: collections.defaultdict[str, collections.Counter] = collections.defaultdict(
-            collections.Counter
-        )
+        self._fair = _FairTags()  # the queue is in priority, then fair (start-tag) order
+        self._stats = _TenantStats()
+        self.preemptions = 0
 
     # ------------------------------------------------------------------ the queue
 
@@ -140,14 +201,10 @@ class Scheduler:
             raise InvalidRequest(
                 f"request_id: {job.request_id!r} is already queued or running", param="request_id"
             )
-        if not self.queue and not self.running:  # a busy period ends: nobody owes anything
-            self._vtime = max([self._vtime, *self._finish.values()])
-            self._finish.clear()
-        job.start_tag = max(self._vtime, self._finish.get(job.tenant, 0.0))
-        self._finish[job.tenant] = job.start_tag + job.cost / job.weight
+        self._fair.tag(job, idle=not self.queue and not self.running)
         k = len(self.queue)
-        while k > 0 and self.queue[k - 1].start_tag > job.start_tag:
-            k -= 1  # behind every job of an earlier or equal tag: arrival order among equals
+        while k > 0 and _order(self.queue[k - 1]) > _order(job):
+            k -= 1  # behind every job of an earlier or equal place: arrival order among equals
         self.queue.insert(k, job)
         self.jobs[job.ident] = job
         self._clustered.append(job.enqueued - self._last_arrival <= self.batching.batch_gap_ms / 1e3)
@@ -160,8 +217,8 @@ class Scheduler:
         return sum(len(j.rows) for j in self.queue) + sum(len(j.rows) for j in self.running)
 
     def gather(self, shared: bool = False) -> list[Job]:
-        """The oldest queued job and the queued jobs that can share its pipeline call; for a
-        call that runs `shared` (joined), no tenant past its `share` of the call's rows.
+        """The oldest queued job and the queued jobs of its priority that can share its pipeline
+        call; for a call that runs `shared` (joined), no tenant past its `share` of the call's rows.
 
         A job with more images than `max_batch_images` runs alone (the replica runs it in calls
         of at most that many), so no request makes one call larger than the setting.
@@ -173,7 +230,7 @@ class Scheduler:
         held = collections.Counter({head.tenant: len(head.rows)})
         share, passed = self._shares(), set()
         for job in list(self.queue)[1:]:
-            if images >= limit:
+            if images >= limit or job.priority != head.priority:
                 break
             if shared and (job.tenant in passed or held[job.tenant] + len(job.rows) > share(job.tenant)):
                 passed.add(job.tenant)  # the tenant's later jobs wait behind this one
@@ -256,16 +313,36 @@ class Scheduler:
                 batch, joined = self._gathered(joins)
             if not self.queue:
                 continue
-            now = time.perf_counter()
-            self._vtime = max(self._vtime, batch[0].start_tag)
-            for job in batch:
-                self.queue.remove(job)
-                self._count_start(job, now)
-                job.state, job.started = "running", now
-                calls = -(-len(job.rows) // self.batching.max_batch_images)
-                job.total_steps = job.steps * calls
+            self._start(batch)
             self.running = list(batch)
             return batch
+
+    def _start(self, batch: list[Job]) -> None:
+        now = time.perf_counter()
+        self._fair.started(batch[0])
+        for job in batch:
+            self.queue.remove(job)
+            self._stats.started(job, now)
+            job.state, job.started = "running", now
+            calls = -(-len(job.rows) // self.batching.max_batch_images)
+            job.total_steps = job.steps * calls
+
+    def preempting(self, wait_s: float, can: Callable[[Job], bool]) -> list[Job]:
+        """The jobs that preempt the running call now, marked running beside it: the head of the
+        queue and its company (`gather`), if its priority is above every running job's, it has
+        waited `wait_s` and `can` says it may; else none."""
+        if not self.queue or not self.running:
+            return []
+        head = self.queue[0]
+        if head.priority <= max(j.priority for j in self.running):
+            return []
+        if time.perf_counter() - head.enqueued < wait_s or not can(head):
+            return []
+        batch = [j for j in self.gather() if can(j)]
+        self._start(batch)
+        self.running += batch
+        self.preemptions += 1
+        return batch
 
     def _gathered(self, joins: Callable[[list[Job]], bool] | None) -> tuple[list[Job], bool]:
         """`gather()`, and whether the batch runs joined (then gathered with tenants' shares)."""
@@ -298,31 +375,17 @@ class Scheduler:
                 continue
             held[job.tenant] += len(job.rows)
             self.queue.remove(job)
-            self._vtime = max(self._vtime, job.start_tag)
-            self._count_start(job, time.perf_counter())
+            self._fair.started(job)
+            self._stats.started(job, time.perf_counter())
             job.state, job.started, job.total_steps = "running", time.perf_counter(), job.steps
             self.running.append(job)
             out.append(job)
             room -= len(job.rows)
         return out
 
-    def _count_start(self, job: Job, now: float) -> None:
-        stats = self.tenant_stats[job.tenant]
-        stats["started"] += 1
-        stats["queue_wait_us"] += int((now - job.enqueued) * 1e6)
-
     def tenants(self) -> dict[str, dict[str, int]]:
         """Per tenant: queued and running requests and images, images done, queue wait (ms)."""
-        out: dict[str, dict[str, int]] = {}
-        for name, c in self.tenant_stats.items():
-            out[name] = {"images_done": c["images_done"], "started": c["started"],
-                         "queue_wait_ms": c["queue_wait_us"] // 1000}  # fmt: skip
-        for where, jobs in (("queued", self.queue), ("running", self.running)):
-            for j in jobs:
-                t = out.setdefault(j.tenant, {"images_done": 0, "started": 0, "queue_wait_ms": 0})
-                t[f"{where}_requests"] = t.get(f"{where}_requests", 0) + 1
-                t[f"{where}_images"] = t.get(f"{where}_images", 0) + len(j.rows)
-        return out
+        return self._stats.report(self.queue, self.running)
 
     def left(self, job: Job) -> None:
         """A job of a joined call has ended while the call goes on."""
@@ -340,7 +403,7 @@ class Scheduler:
     def retire(self, job: Job, state: State, error: str | None = None) -> None:
         job.state = state
         if state == "done":
-            self.tenant_stats[job.tenant]["images_done"] += len(job.rows)
+            self._stats.counts[job.tenant]["images_done"] += len(job.rows)
         self.jobs.pop(job.ident, None)
         self.finished[job.ident] = FinishedRecord(state, job.step, job.total_steps or job.steps, error)
         while len(self.finished) > FINISHED_KEPT:
@@ -352,14 +415,8 @@ class Scheduler:
         """A queued job leaves without running (aborted, failed): its tenant is not charged for
         it, so its later jobs move up by its share."""
         self.queue.remove(job)
-        share = job.cost / job.weight
-        if job.tenant in self._finish:
-            self._finish[job.tenant] -= share
-        later = [j for j in self.queue if j.tenant == job.tenant and j.start_tag > job.start_tag]
-        for j in later:
-            j.start_tag -= share
-        if later:
-            self.queue = collections.deque(sorted(self.queue, key=lambda j: j.start_tag))  # stable
+        if self._fair.refund(job, self.queue):
+            self.queue = collections.deque(sorted(self.queue, key=_order))  # stable
 
     def fail(self, job: Job, err: ServingError) -> None:
         """End a queued or running job with `err` (a copy for its own request id)."""

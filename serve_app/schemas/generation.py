@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from serve_app.config import Acceleration
+from serve_app.config import Acceleration, Priority
 from serve_app.schemas.base import MAX_SEED, Extra, OutputFormat, Prompts, RequestId, _check_prompt, _Wire
 from serve_app.schemas.payloads import InputImage, TensorPayload
 
@@ -111,6 +111,13 @@ class GenerationParams(_Wire):
         None,
         description="OpenAI's moderation: with a safety checker (`model.safety`), `low` flags at its looser "
         "threshold; `auto` (default) at its own.",
+    )
+    priority: Priority | None = Field(
+        None,
+        description="`interactive` (the default) or `batch`, or a level 0-9 (`batch` is 0, `interactive` "
+        "5): higher runs first, and one that waits behind a running call of a lower priority pauses it "
+        "at its next step (`batching.preempt_after_ms`). Asynchronous jobs default to `batch`. At most "
+        "the tenant's `max_priority`.",
     )
     request_id: RequestId = None
     extra: Extra = Field(default_factory=dict)

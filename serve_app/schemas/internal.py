@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from serve_app.config import Acceleration
+from serve_app.config import PRIORITIES, Acceleration
 from serve_app.schemas.base import B64Bytes, MemoryKind, OutputFormat, _Wire
 from serve_app.schemas.generation import BatchGenerationRequest, GenerationRequest, LoraRef, Rollout
 from serve_app.schemas.payloads import PixelPayload, TensorPayload, Trajectory
@@ -59,6 +59,7 @@ class PreparedRequest(_Wire):
     return_trajectory: bool = False
     rollout: Rollout | None = None
     moderation: str | None = None
+    priority: int = Field(PRIORITIES["interactive"], ge=0, le=9)  # a level: higher runs first
     extra: dict[str, Any] = Field(default_factory=dict)
     loras: list[LoraRef] = Field(default_factory=list)  # by name, each with its scale and path resolved
     acceleration: Acceleration = "none"
@@ -108,6 +109,7 @@ class PreparedRequest(_Wire):
         checkpoint_source: str | None = None,
         tenant: str = "default",
         tenant_weight: float = 1.0,
+        priority: int = PRIORITIES["interactive"],
     ) -> PreparedRequest:
         """`request` with the given values wherever it left a field to the server."""
         return cls(
@@ -137,6 +139,7 @@ class PreparedRequest(_Wire):
             return_trajectory=request.return_trajectory,
             rollout=request.rollout,
             moderation=request.moderation,
+            priority=priority,
             extra=request.extra,
             loras=loras or [],
             acceleration=request.acceleration or acceleration,
@@ -166,6 +169,7 @@ class StageMetrics(_Wire):
         1, description="Calls the request ran in: more than 1 when it had more images than one call takes."
     )
     steps: int = 0
+    priority: int | None = Field(None, description="The priority level (0-9) it ran at.")
     cache: Literal["hit", "miss", "bypass"] | None = Field(
         None,
         description="The result cache: `hit` (answered from a stored result), `miss` (made, and kept), "
