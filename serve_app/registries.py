@@ -135,6 +135,22 @@ class Registry:
             self._write(data)
             return data[name]
 
+    def push(self, name: str, path: str, scale: float, model: str) -> dict[str, Any]:
+        """Register the next version of pushed adapter `name` at `path` (version 1 when new);
+        an adapter registered from a file is not replaced this way."""
+        with self._locked():
+            data = self._read()
+            old = data.get(name)
+            if old is not None and "version" not in old:
+                raise InvalidRequest(
+                    f"name: adapter {name!r} is registered from a file; remove it before pushing one",
+                    param="name",
+                )
+            version = (old or {}).get("version", 0) + 1
+            data[name] = {"path": path, "scale": scale, "pinned": False, "model": model, "version": version}
+            self._write(data)
+            return data[name]
+
     # How its messages name an entry, and the field that names it in a removal's message.
     what, removal_field = "adapter", "lora"
 

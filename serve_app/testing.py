@@ -262,6 +262,9 @@ class FakeEngine:
     def run_paused(self, rows, params, step_hook=None):
         return self.run(rows, params, step_hook)
 
+    def restore_adapters(self, rows, params) -> None:
+        pass  # it puts no adapters in force
+
     def open_joined(self, params, adapters=()):
         raise NotImplementedError("FakeEngine runs whole calls only")
 

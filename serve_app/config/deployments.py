@@ -155,8 +155,10 @@ class BatchingConfig(_Strict):
             "How long a request may wait behind a running call of a lower priority (`priority`: a "
             "batch job behind which an interactive image waits) before that call pauses at its next "
             "denoising step, the waiting request runs, and the paused call resumes where it stopped "
-            "(the same images as unpaused). Calls with a step cache, on a compiled or CPU-offloaded "
-            "denoiser, with different adapters per row, or run joined are not paused. null: never."
+            "(the same images as unpaused); in a full joined run, seats of lower-priority requests are "
+            "parked instead. Calls with a step cache, on a compiled or CPU-offloaded denoiser, or with "
+            "different adapters per row are not paused, nor for a request of another pool checkpoint. "
+            "null: never."
         ),
     )
 

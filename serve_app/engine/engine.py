@@ -335,14 +335,15 @@ class DiffusionEngine:
     ) -> EngineOutput:
         """Run one call while another call of this engine is paused in its step hook (preemption).
         The paused call's latents, generators and scheduler stay its own: this one runs on a
-        copy of the pipeline with a scheduler of its own, and the paused call's adapter set is
-        put back in force after it, so the paused call resumes as if it had never stopped."""
-        paused = self._in_force.active
-        try:
-            return self._runner.whole(rows, params, step_hook, self._row_adapters, inside=True)
-        finally:
-            self._in_force.forget()
-            self._in_force.set(paused or ())
+        copy of the pipeline with a scheduler of its own. Its caller puts the paused call's
+        adapters back in force after it (`restore_adapters`), whatever happened meanwhile."""
+        return self._runner.whole(rows, params, step_hook, self._row_adapters, inside=True)
+
+    def restore_adapters(self, rows: Sequence[Row], params: CallParams) -> None:
+        """Put the adapter set of a paused whole call over `rows` (one set for all its rows) back
+        in force, after a call ran inside it or adapters were loaded or evicted for that call."""
+        self._in_force.forget()
+        self._apply_lora(row_adapter_sets(rows, params)[0])
 
     def can_join(self, params: CallParams) -> bool:
         """Whether calls with `params` can run joined (`open_joined`): not with a step cache

@@ -27,7 +27,10 @@ class Engine(Protocol):
         self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None = None
     ) -> EngineOutput:
         """One call run from inside the step hook of a paused call (`run`), which then resumes
-        unchanged."""
+        unchanged once `restore_adapters` has put its adapters back."""
+
+    def restore_adapters(self, rows: Sequence[Row], params: CallParams) -> None:
+        """Put the adapters of a paused whole call over `rows` back in force."""
 
     def can_join(self, params: CallParams) -> bool:
         """Whether calls with `params` can run joined (`open_joined`); else they run whole."""

@@ -398,6 +398,11 @@ class JoinedRun:
         """Rows a step runs: the active ones less those of parked seats."""
         return self.batch.stepping
 
+    def park(self, seats) -> None:
+        """Leave exactly `seats` out of the next steps (their calls wait where they stand)."""
+        for seat in self.batch.seats:
+            seat.parked = seat in seats
+
     def add(
         self, rows: Row | Sequence[Row], step_hook: StepHook | None = None, params: CallParams | None = None
     ) -> Seat:

@@ -4,6 +4,7 @@ opt-in); listing the adapters is open to any caller."""
 
 import asyncio
 import re
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter
@@ -53,6 +54,62 @@ async def add_lora(
     return _entry(core, name, entry)
 
 
+PUSHED_DIR = ".pushed"  # under the first adapter root: where pushed versions are kept
+PUSHED_KEPT = 4  # versions of one pushed adapter kept on disk (queued requests may name older ones)
+
+
+async def push_lora(
+    core: Core, name: str, weights: dict[str, Any], scale: float = 1.0, model: str | None = None
+) -> dict[str, Any]:
+    """A trainer's new adapter weights (tensors, as a LoRA state dict in the diffusers/peft or
+    kohya layout) as the next version of pushed adapter `name`: kept as a file under the first
+    adapter root (so replicas that start later load it too), checked on one replica, registered,
+    then loaded on every replica of the model between two of its calls. Handle callers only."""
+    import torch
+
+    check_name(name)
+    lim = core.cfg.lora
+    if not lim.allowed_roots:
+        raise InvalidRequest(
+            "weights: pushed adapters are kept under lora.allowed_roots; none is set", param="weights"
+        )
+    if (
+        not isinstance(weights, dict)
+        or not weights
+        or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items())
+    ):
+        raise InvalidRequest("weights: a non-empty dict of tensor names to torch tensors", param="weights")
+    served = core.models.by_name(model)
+    await served.ensure_ready()
+    entry = core.registry.all().get(name)
+    version = (entry or {}).get("version", 0) + 1
+    folder = Path(lim.allowed_roots[0]) / PUSHED_DIR / name
+    path = folder / f"v{version}.safetensors"
+    await asyncio.to_thread(_write_weights, weights, path)
+    try:
+        await asyncio.to_thread(check_adapter_file, str(path), lim.allowed_roots, lim.max_file_mb)
+        await served.handle.validate_lora.remote(str(path))
+    except Exception as e:
+        path.unlink(missing_ok=True)
+        err = core.call_error(e, name, [], served.name) or not_ready(served.label)
+        err.param, err.message = "weights", err.message.replace(str(path), f"{name} v{version}")
+        raise err from None
+    entry = core.registry.push(name, str(path), scale, served.name)
+    loaded = await served.broadcast("load_pushed_lora", name, entry["version"], str(path))
+    for old in sorted(folder.glob("v*.safetensors"), key=lambda p: p.stat().st_mtime)[:-PUSHED_KEPT]:
+        old.unlink(missing_ok=True)
+    return {"name": name, "version": entry["version"], "model": served.name, "replicas": len(loaded)}
+
+
+def _write_weights(weights: dict[str, Any], path: Path) -> None:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_suffix(".part")
+    save_file({k: v.detach().contiguous().cpu() for k, v in weights.items()}, str(part))
+    part.replace(path)
+
+
 def _owner(core: Core, name: str) -> ServedModel | None:
     """The model an adapter is for; None if that model is no longer served."""
     return core.models.get(core.adapter_model(core.registry.get(name)))
@@ -72,6 +129,11 @@ async def pin_lora(core: Core, name: str, pinned: bool = True) -> dict[str, Any]
     if served is None:
         raise InvalidRequest(
             f"name: adapter {name!r} is for a model no longer served; remove it", param="name"
+        )
+    if "version" in core.registry.get(name):
+        raise InvalidRequest(
+            f"name: adapter {name!r} is pushed: each version is loaded on every replica as it comes",
+            param="name",
         )
     entry = core.registry.pin(
         name, pinned, max_pinned=core.cfg.lora.max_loaded, default=core.models.default.name

@@ -185,7 +185,7 @@ class Core:
                     param="loras",
                 )
             scale = ref.scale if ref.scale is not None else entry["scale"]
-            out.append(LoraRef(name=ref.name, scale=scale, path=entry["path"]))
+            out.append(LoraRef(name=ref.name, scale=scale, path=entry["path"], version=entry.get("version")))
         return sorted(out, key=lambda r: r.name)
 
     def adapter_model(self, entry: dict[str, Any]) -> str:

@@ -126,6 +126,14 @@ class DiffusionIngress:
     async def remove_lora(self, name: str) -> dict[str, Any]:
         return await admin.remove_lora(self.core, name)
 
+    async def push_lora(
+        self, name: str, weights: dict[str, Any], scale: float = 1.0, model: str | None = None
+    ) -> dict[str, Any]:
+        """A trainer's adapter weights (a dict of tensors; a Ray ObjectRef to one is resolved by
+        Ray) as the next version of adapter `name` on every replica of `model`. Results made with
+        it carry its version (`policy_version`). Handle callers only: there is no HTTP route."""
+        return await admin.push_lora(self.core, name, weights, scale, model)
+
     async def pin_lora(self, name: str, pinned: bool = True) -> dict[str, Any]:
         return await admin.pin_lora(self.core, name, pinned)
 

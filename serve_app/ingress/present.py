@@ -66,6 +66,7 @@ def images_response(
         latents=result.latents,
         trajectory=result.trajectory,
         attempts=result.attempts,
+        policy_version=result.policy_version,
     )
     return resp.model_dump(mode="json", exclude_none=True)
 

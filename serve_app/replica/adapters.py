@@ -145,16 +145,18 @@ class AdapterResidency:
     def unpin(self, name: str) -> None:
         self._pinned.discard(name)
 
-    def drop(self, name: str) -> bool:
-        """Evict `name` (pinned or not); False if it was not loaded here."""
+    def drop(self, name: str, versions: bool = True) -> bool:
+        """Evict `name` (pinned or not), and with `versions` every pushed version of it
+        (`name@v<k>`); False if none was loaded here."""
+        names = [n for n in self._loaded if n == name or (versions and n.startswith(f"{name}@v"))]
         self._pinned.discard(name)
         with self._lock:
             self._staged.pop(name, None)
-        if name not in self._loaded:
-            return False
-        self._unload(name)
-        self._on_change(self.loaded)
-        return True
+        for n in names:
+            self._unload(n)
+        if names:
+            self._on_change(self.loaded)
+        return bool(names)
 
     def check(self, path: str) -> None:
         """Load a candidate file under a scratch name and drop it again; LoraError if unusable."""
@@ -192,6 +194,23 @@ class AdapterControl:
 
     async def evict_lora(self, name: str) -> bool:
         return await self._on_engine(self.adapters.drop, name)
+
+    async def load_pushed_lora(self, name: str, version: int, path: str) -> list[str]:
+        """Load version `version` of pushed adapter `name` (as `name@v<version>`), between two
+        calls, and evict its older versions: calls that started with one finished with it, and
+        a queued request for an older version loads that one again. LoraError -> 400."""
+
+        def swap() -> None:
+            new = f"{name}@v{version}"
+            self.adapters.hold(new, path)
+            for old in [n for n in self.adapters.loaded if n.startswith(f"{name}@v") and n != new]:
+                self.adapters.drop(old, versions=False)
+
+        try:
+            await self._on_engine(swap)
+        except LoraError as e:
+            raise InvalidRequest(f"weights: {e}", param="weights") from None
+        return self.adapters.loaded
 
     def loaded_loras(self) -> dict[str, Any]:
         return {"replica_id": replica_id(), "loaded": self.adapters.loaded, "pinned": self.adapters.pinned}

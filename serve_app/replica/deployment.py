@@ -185,7 +185,7 @@ class DiffusionReplica(AdapterControl, CheckpointServing):
             raise self.health.lost(request.request_id)
         job = new_job(engine, request, asyncio.get_running_loop().create_future(), preview_every)
         for ref in request.loras:  # read files the replica lacks while the engine runs its calls
-            self.adapters.prefetch(ref.name, ref.path)
+            self.adapters.prefetch(ref.loaded_name, ref.path)
         self.scheduler.submit(job)
         if self._loop_task is None:
             self._loop_task = asyncio.get_running_loop().create_task(self.engine_loop.run())

@@ -70,7 +70,7 @@ def new_job(engine: Engine, request: PreparedRequest, future: asyncio.Future, pr
     )
     # Adapters go on the rows, not in the key: the request may share a call with other adapters.
     if request.loras:
-        adapters = tuple((r.name, r.scale) for r in request.loras)
+        adapters = tuple((r.loaded_name, r.scale) for r in request.loras)
         rows = [dataclasses.replace(r, adapters=adapters) for r in rows]
     # SDXL treats an absent negative prompt differently from an empty one: keep them apart.
     kinds = (request.negative_prompt is None, *(t is None for t in embeds.values()))
@@ -87,7 +87,7 @@ def new_job(engine: Engine, request: PreparedRequest, future: asyncio.Future, pr
         future=future,
         payload=Work(request, params, engine if request.checkpoint else None),
         preview_every=preview_every,
-        adapters=tuple(r.name for r in request.loras),
+        adapters=tuple(r.loaded_name for r in request.loras),
         join_key=(request.checkpoint, request.checkpoint_source, dataclasses.replace(params, **own), *kinds),
         owner=request.owner,
         tenant=request.tenant,

@@ -23,7 +23,7 @@ from typing import Any
 from serve_app import metrics
 from serve_app.config import BatchingConfig
 from serve_app.engine import CallParams, Engine, EngineOutput, Row
-from serve_app.errors import EngineFailure, ServingError
+from serve_app.errors import EngineFailure, ReplicaLost, ServingError
 from serve_app.replica.adapters import AdapterResidency
 from serve_app.replica.health import Health
 from serve_app.replica.intake import work
@@ -62,11 +62,9 @@ class _Joined:
     # what the run holds or will hold at its next step (the engine thread's count lags behind).
     # Parked seats' rows are not in it (`preemption.between_steps`).
     admitted: collections.Counter = dataclasses.field(default_factory=collections.Counter)
-    # Seats parked for requests of a higher priority (seat: its rows by tenant), and the seats
-    # to park and unpark at the next step; `news`: something was handed to the engine thread.
+    # Seats parked for requests of a higher priority (seat: its rows by tenant): the engine
+    # thread leaves these out of its next steps. `news`: something was handed to it.
     parked: dict = dataclasses.field(default_factory=dict)
-    park: list = dataclasses.field(default_factory=list)
-    unpark: list = dataclasses.field(default_factory=list)
     news: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def settle(self, scheduler: Scheduler, health: Health) -> None:
@@ -79,7 +77,12 @@ class _Joined:
                 continue
             del members[key]
             job = m.job
-            if m.seat not in self.parked:  # a parked seat's rows were taken out when it parked
+            if m.seat in self.parked:  # it ended as it parked: its rows left `admitted` then
+                left = self.parked[m.seat]
+                left[job.tenant] -= len(job.rows)
+                if left.total() <= 0:
+                    del self.parked[m.seat]
+            else:
                 self.admitted[job.tenant] -= len(job.rows)
             scheduler.left(job)
             if job.state != "running":  # aborted during the call: its images are dropped
@@ -159,9 +162,10 @@ class EngineLoop:
         The scheduler puts at most max_loaded in a call, and none of them (nor one of a call
         `paused` for this one) is evicted to make room for another."""
         refs = [ref for job in batch for ref in work(job).request.loras]
-        names = {ref.name for ref in refs} | {ref.name for job in paused for ref in work(job).request.loras}
+        also = [ref for job in paused for ref in work(job).request.loras]
+        names = {ref.loaded_name for ref in [*refs, *also]}
         for ref in refs:
-            self.adapters.hold(ref.name, ref.path, keep=names)
+            self.adapters.hold(ref.loaded_name, ref.path, keep=names)
 
     # ------------------------------------------------------------------ whole calls
 
@@ -185,9 +189,15 @@ class EngineLoop:
             self.health.consecutive_failures = 0
             self.deliver(batch, out)
         finally:
+            left = []
             if watch is not None:
                 watch.cancel()
-        left = pause.left() if pause is not None else []
+                left = pause.left()  # handed over, not run: the call had ended (or was cancelled)
+                if self.health.fatal or (left and asyncio.current_task().cancelling()):
+                    lost = self.health.lost() if self.health.fatal else ReplicaLost("the replica stopped")
+                    for job in left:  # the ingress sends them to another replica
+                        self.scheduler.fail(job, lost)
+                    left = []
         if left:  # handed over after the call's last step: they run now, as a call of their own
             await self._run_whole(left, loop)
 
@@ -313,15 +323,11 @@ class EngineLoop:
         while True:
             with joined.lock:
                 joining, joined.inbox = joined.inbox, []
-                park, unpark, joined.park, joined.unpark = joined.park, joined.unpark, [], []
+                run.park(joined.parked)
                 joined.news.clear()
                 if not joining and not run.active:
                     joined.closed = True
                     return
-            for seat in park:
-                seat.parked = True
-            for seat in unpark:
-                seat.parked = False
             if not joining and run.stepping == 0:  # only parked seats: until the event loop unparks
                 joined.news.wait(0.05)
                 loop.call_soon_threadsafe(self._between_steps, joined)
@@ -346,8 +352,7 @@ class EngineLoop:
             room = between_steps(self, joined, lambda j: j.join_key == key and fits(j))
             if room > 0:
                 joined.inbox += self.scheduler.take_joiners(key, room, fits, joined.admitted)
-            if joined.inbox or joined.park or joined.unpark:
-                joined.news.set()
+            joined.news.set()
 
     def _open_joined(self, batch: list[Job], params: CallParams, adapters):
         self._hold_adapters(batch)

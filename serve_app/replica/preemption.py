@@ -40,6 +40,8 @@ class Pause:
     def __init__(self, owner: EngineLoop, batch: list[Job], wait_s: float, loop: asyncio.AbstractEventLoop):
         self._owner, self._batch, self._wait_s, self._loop = owner, batch, wait_s, loop
         self._engine = work(batch[0]).engine or owner.engine
+        self._rows = [r for j in batch for r in j.rows]
+        self._adapters = {name for j in batch for name in j.adapters}
         self._handed: list[Job] = []
         self._lock = threading.Lock()
 
@@ -58,8 +60,13 @@ class Pause:
         return Pause(owner, batch, after / 1e3, loop)
 
     def _may_run(self, job: Job) -> bool:
+        """Whether `job` may run inside the paused call: on its engine, a call that may pause,
+        and adapters that fit the replica beside the paused call's and the pinned ones (else it
+        would be refused for want of room that waiting gives it)."""
         same = (work(job).engine or self._owner.engine) is self._engine
-        return same and self._engine.can_pause(work(job).params)
+        held = self._adapters | set(job.adapters) | set(self._owner.adapters.pinned)
+        fits = not job.adapters or len(held) <= self._owner.adapters.max_loaded
+        return same and fits and self._engine.can_pause(work(job).params)
 
     async def watch(self) -> None:
         """On the event loop, until cancelled (the call ended): hand over the jobs that preempt
@@ -110,6 +117,9 @@ class Pause:
             loop.call_soon_threadsafe(self._settle, jobs, out, None)
         finally:
             owner.health.call_started = time.monotonic()
+            # The paused call's adapters, whatever was loaded, evicted or put in force meanwhile;
+            # if that fails, the paused call fails (it raises inside its step hook).
+            self._engine.restore_adapters(self._rows, work(self._batch[0]).params)
 
     def _settle(self, jobs: list[Job], out, err) -> None:
         scheduler = self._owner.scheduler
@@ -146,11 +156,12 @@ def between_steps(owner: EngineLoop, joined, can_join: Callable[[Job], bool]) ->
     if head is not None and not (can_join(head) and len(head.rows) <= min(share, limit)):
         head = None
     priorities = _seat_priorities(joined)
+    for seat in [s for s in joined.parked if s.done]:  # ended as it was parked: settled already
+        del joined.parked[seat]
     for seat, rows in list(joined.parked.items()):
         if rows.total() > room or (head is not None and head.priority > priorities.get(seat, 0)):
             break
         del joined.parked[seat]
-        joined.unpark.append(seat)
         joined.admitted.update(rows)
         room -= rows.total()
     after = owner.batching.preempt_after_ms
@@ -177,7 +188,6 @@ def between_steps(owner: EngineLoop, joined, can_join: Callable[[Job], bool]) ->
         return room
     for seat, rows in chosen:
         joined.parked[seat] = rows
-        joined.park.append(seat)
         joined.admitted.subtract(rows)
     scheduler.preemptions += 1
     metrics.count_preemption(owner.engine.model_name)

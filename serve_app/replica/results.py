@@ -108,4 +108,5 @@ def build_result(
         latents=TensorPayload.from_tensor(out.latents) if out.latents is not None else None,
         trajectory=trajectory,
         flagged=[i for i, f in enumerate(out.flagged) if f] if out.flagged and any(out.flagged) else None,
+        policy_version=max((r.version for r in request.loras if r.version is not None), default=None),
     )

@@ -139,10 +139,12 @@ class _FairTags:
         self.vtime = 0.0
         self.finish: dict[str, float] = {}
 
-    def tag(self, job: Job, idle: bool) -> None:
-        if idle:  # a busy period ends: nobody owes anything
-            self.vtime = max([self.vtime, *self.finish.values()])
-            self.finish.clear()
+    def tag_idle(self) -> None:
+        """A busy period ended: nobody owes anything."""
+        self.vtime = max([self.vtime, *self.finish.values()])
+        self.finish.clear()
+
+    def tag(self, job: Job) -> None:
         job.start_tag = max(self.vtime, self.finish.get(job.tenant, 0.0))
         self.finish[job.tenant] = job.start_tag + job.cost / job.weight
 
@@ -155,7 +157,8 @@ class _FairTags:
         share = job.cost / job.weight
         if job.tenant in self.finish:
             self.finish[job.tenant] -= share
-        later = [j for j in queue if j.tenant == job.tenant and j.start_tag > job.start_tag]
+        mine = [j for j in queue if j.tenant == job.tenant and j.priority == job.priority]
+        later = [j for j in mine if j.start_tag > job.start_tag]
         for j in later:
             j.start_tag -= share
         return bool(later)
@@ -190,7 +193,9 @@ class Scheduler:
         self._arrivals = _Arrivals()
         self._wakeup = asyncio.Event()
         self._on_retire = on_retire
-        self._fair = _FairTags()  # the queue is in priority, then fair (start-tag) order
+        # The queue is in priority, then fair (start-tag) order; each priority keeps its own
+        # tags, so a job that starts before older ones of a lower priority moves no clock of theirs.
+        self._fair: collections.defaultdict[int, _FairTags] = collections.defaultdict(_FairTags)
         self._stats = _TenantStats()
         self.preemptions = 0
 
@@ -201,7 +206,10 @@ class Scheduler:
             raise InvalidRequest(
                 f"request_id: {job.request_id!r} is already queued or running", param="request_id"
             )
-        self._fair.tag(job, idle=not self.queue and not self.running)
+        if not self.queue and not self.running:  # a busy period ends: nobody owes anything
+            for tags in self._fair.values():
+                tags.tag_idle()
+        self._fair[job.priority].tag(job)
         k = len(self.queue)
         while k > 0 and _order(self.queue[k - 1]) > _order(job):
             k -= 1  # behind every job of an earlier or equal place: arrival order among equals
@@ -319,7 +327,7 @@ class Scheduler:
 
     def _start(self, batch: list[Job]) -> None:
         now = time.perf_counter()
-        self._fair.started(batch[0])
+        self._fair[batch[0].priority].started(batch[0])
         for job in batch:
             self.queue.remove(job)
             self._stats.started(job, now)
@@ -375,7 +383,7 @@ class Scheduler:
                 continue
             held[job.tenant] += len(job.rows)
             self.queue.remove(job)
-            self._fair.started(job)
+            self._fair[job.priority].started(job)
             self._stats.started(job, time.perf_counter())
             job.state, job.started, job.total_steps = "running", time.perf_counter(), job.steps
             self.running.append(job)
@@ -415,7 +423,7 @@ class Scheduler:
         """A queued job leaves without running (aborted, failed): its tenant is not charged for
         it, so its later jobs move up by its share."""
         self.queue.remove(job)
-        if self._fair.refund(job, self.queue):
+        if self._fair[job.priority].refund(job, self.queue):
             self.queue = collections.deque(sorted(self.queue, key=_order))  # stable
 
     def fail(self, job: Job, err: ServingError) -> None:

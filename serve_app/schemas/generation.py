@@ -41,6 +41,15 @@ class LoraRef(_Wire):
         None, ge=LORA_SCALE[0], le=LORA_SCALE[1], description="Default: the adapter's registered scale."
     )
     path: str | None = Field(None, description="Filled in by the server from the registry; ignored if sent.")
+    version: int | None = Field(
+        None, ge=1, description="Filled in by the server: a pushed adapter's version; ignored if sent."
+    )
+
+    @property
+    def loaded_name(self) -> str:
+        """Its name on a replica: each pushed version is an adapter of its own (`name@v3`), so a
+        call that started with one version ends with it, whatever is pushed meanwhile."""
+        return self.name if self.version is None else f"{self.name}@v{self.version}"
 
 
 class Rollout(_Wire):

@@ -109,7 +109,7 @@ class PreparedRequest(_Wire):
         checkpoint_source: str | None = None,
         tenant: str = "default",
         tenant_weight: float = 1.0,
-        priority: int = PRIORITIES["interactive"],
+        priority: int | None = None,
     ) -> PreparedRequest:
         """`request` with the given values wherever it left a field to the server."""
         return cls(
@@ -139,7 +139,7 @@ class PreparedRequest(_Wire):
             return_trajectory=request.return_trajectory,
             rollout=request.rollout,
             moderation=request.moderation,
-            priority=priority,
+            **({} if priority is None else {"priority": priority}),  # unset: the tenant's default
             extra=request.extra,
             loras=loras or [],
             acceleration=request.acceleration or acceleration,
@@ -208,6 +208,11 @@ class GenerationResult(_Wire):
         None, description="The images the safety checker flagged and blanked (their indices), if any."
     )
     attempts: int = Field(1, description="Replicas tried: more than 1 when a replica died mid-request.")
+    policy_version: int | None = Field(
+        None,
+        description="The version of the pushed adapter it was made with (the highest, with several); "
+        "absent when it used none.",
+    )
 
     def pil_images(self) -> list[Any]:
         from PIL import Image

@@ -281,6 +281,7 @@ class ImagesResponse(BaseModel):
     latents: TensorPayload | None = None
     trajectory: Trajectory | None = None
     attempts: int = 1
+    policy_version: int | None = Field(None, description="The pushed adapter's version it was made with.")
 
 
 class SamplerCard(BaseModel):
