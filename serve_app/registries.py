@@ -16,6 +16,7 @@ import json
 import os
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 from serve_app.errors import InvalidRequest, NotFound, ServingError
@@ -135,8 +136,11 @@ class Registry:
             self._write(data)
             return data[name]
 
-    def push(self, name: str, path: str, scale: float, model: str) -> dict[str, Any]:
-        """Register the next version of pushed adapter `name` at `path` (version 1 when new);
+    def push(
+        self, name: str, scale: float, model: str, claim: Callable[[int], tuple[int, str]]
+    ) -> dict[str, Any]:
+        """Register the next version of pushed adapter `name`: `claim(last version)` (run under
+        the lock, so concurrent pushes take turns) gives its number and puts its file in place;
         an adapter registered from a file is not replaced this way."""
         with self._locked():
             data = self._read()
@@ -146,7 +150,7 @@ class Registry:
                     f"name: adapter {name!r} is registered from a file; remove it before pushing one",
                     param="name",
                 )
-            version = (old or {}).get("version", 0) + 1
+            version, path = claim((old or {}).get("version", 0))
             data[name] = {"path": path, "scale": scale, "pinned": False, "model": model, "version": version}
             self._write(data)
             return data[name]

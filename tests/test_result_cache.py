@@ -65,15 +65,29 @@ def test_keys_follow_every_input_and_not_the_request_s_name():
 def test_kept_bytes_stay_bounded_least_recently_used_out_first():
     cache = ResultCache(ResultCacheConfig(enabled=True, max_bytes=250, max_entry_bytes=200), [])
     for key in ("a", "b"):
-        cache.put(key, result(100))
+        cache.put(key, result(100), "m")
     assert cache.get("a", prepared()) is not None  # a is now the most recent
-    cache.put("c", result(100))  # 300 bytes: b goes
+    cache.put("c", result(100), "m")  # 300 bytes: b goes
     assert cache.get("b", prepared()) is None and cache.get("a", prepared()) is not None
     assert cache.bytes == 200 and len(cache) == 2
-    cache.put("big", result(201))  # over max_entry_bytes: not kept
+    cache.put("big", result(201), "m")  # over max_entry_bytes: not kept
     assert cache.get("big", prepared()) is None and cache.bytes == 200
     hit = cache.get("c", prepared(request_id="mine"))
     assert hit.request_id == "mine" and hit.metrics.cache == "hit" and result_bytes(hit) == 100
+
+
+def test_pushed_denoiser_weights_key_the_results_and_stale_ones_are_not_kept():
+    """Issue 57: after a trainer pushes denoiser weights (`push_weights`), the same request has
+    another key, and a result made with other weights than the last pushed is not kept."""
+    cache = ResultCache(ResultCacheConfig(enabled=True), [])
+    before = cache.key(prepared())
+    cache.weights["m"] = 3
+    assert cache.key(prepared()) != before
+    made_before = result(10)  # weights_version None: the weights as loaded
+    cache.put("k", made_before, "m")
+    assert cache.get("k", prepared()) is None
+    cache.put("k", made_before.model_copy(update={"weights_version": 3}), "m")
+    assert cache.get("k", prepared()) is not None
 
 
 @pytest.fixture(scope="module")

@@ -52,6 +52,52 @@ def test_a_lora_pushed_by_handle_changes_the_next_results_and_bumps_policy_versi
         assert handle.generate.remote(body).result().policy_version == 2
     finally:
         handle.remove_lora.remote(NAME).result()
+    # Removed and pushed again: a new number (a version names one set of weights for ever).
+    try:
+        assert handle.push_lora.remote(NAME, weights[0]).result()["version"] == 3
+    finally:
+        handle.remove_lora.remote(NAME).result()
     # An adapter registered from a file is not replaced by a push, and HTTP has no push route.
+    from tests.conftest import ADAPTER_DIR
+
+    make_adapter(str(ADAPTER_DIR / "sync-file.safetensors"), seed=9)
+    handle.add_lora.remote("sync-file", "sync-file.safetensors").result()
+    try:
+        with pytest.raises(InvalidRequest) as e:
+            handle.push_lora.remote("sync-file", weights[0]).result()
+        assert e.value.param == "name"
+    finally:
+        handle.remove_lora.remote("sync-file").result()
     paths = client.get("/openapi.json").json()["paths"]
     assert not [p for p in paths if "push" in p], paths.keys()
+
+
+def test_denoiser_weights_pushed_by_handle_change_the_next_results_until_put_back(handle):
+    """Full weight sync: a trainer's denoiser weights (here two of them, by the denoiser's own
+    names) go to every replica through the object store, between two calls; the next results
+    change and say `weights_version`; misfits are 400s naming `weights`; the weights put back
+    make the first image again."""
+    import torch
+
+    from serve_app.config import ModelConfig
+    from serve_app.engine import DiffusionEngine
+    from serve_app.engine.loading import find_denoiser
+
+    local = DiffusionEngine(ModelConfig(source="builtin:tiny-sd", device="cpu", warmup=False))
+    own = find_denoiser(local.pipe).state_dict()  # the served twin's own weights (seeded)
+    original = {k: own[k].clone() for k in ("conv_out.weight", "conv_out.bias")}
+    plain = {"prompt": "a red circle", "seed": 5, "num_inference_steps": 3}
+    before = handle.generate.remote(plain).result()
+    try:
+        pushed = handle.push_weights.remote({k: v * 0.5 for k, v in original.items()}, 1).result()
+        assert pushed["weights_version"] == 1 and pushed["replicas"] >= 1
+        after = handle.generate.remote(plain).result()
+        assert after.weights_version == 1 and after.images[0] != before.images[0]
+        for bad in ({"conv_out.weight": torch.zeros(1)}, {"no.such.weight": torch.zeros(1)}, {"x": 1}):
+            with pytest.raises(InvalidRequest) as e:
+                handle.push_weights.remote(bad, 2).result()
+            assert e.value.param == "weights"
+    finally:
+        handle.push_weights.remote(original, 0).result()
+    again = handle.generate.remote(plain).result()
+    assert again.weights_version == 0 and again.images[0] == before.images[0]

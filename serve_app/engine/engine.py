@@ -37,6 +37,7 @@ from serve_app.engine.checks import MAX_EMBED_TOKENS, RESERVED_EXTRA_KEYS, CallC
 from serve_app.engine.families import Family, describe_pipeline
 from serve_app.engine.loading import (
     apply_optimizations,
+    copy_weights,
     denoiser_name,
     derived_pipelines,
     find_denoiser,
@@ -139,6 +140,7 @@ class DiffusionEngine:
         video = self.family.modality == "video"
         self.default_num_frames = (cfg.default_num_frames or self.family.default_frames) if video else None
         self._in_force = InForce(self.pipe)  # the adapters of whole calls
+        self.weights_version: int | None = None  # a trainer's weights pushed in; None: as loaded
         cache_blocks = cached_blocks(denoiser)
         self.accelerations = offered_accelerations(denoiser, cache_blocks, cfg.optimizations)
         self._checks = CallChecks(self.pipe, self._task_pipes, self.family, self.device, self.accelerations)
@@ -278,6 +280,16 @@ class DiffusionEngine:
             raise LoraError(f"{path}: a DoRA adapter is not loaded with model.optimizations.cpu_offload")
         self._in_force.forget()  # set the adapters again on the next call
         install_adapter(self.pipe, name, path, state)
+
+    def load_denoiser_weights(self, weights: dict[str, torch.Tensor], version: int) -> int:
+        """Replace the denoiser's weights named in `weights` (a trainer's, all of them or some),
+        in place, and call them `version`: the results of the calls that start from now on say
+        so (`weights_version`). On the engine thread, between calls. ValueError naming a misfit."""
+        copied = copy_weights(find_denoiser(self.pipe), weights)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.weights_version = version
+        return copied
 
     def unload_lora(self, name: str) -> None:
         self._in_force.forget()

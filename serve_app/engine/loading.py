@@ -167,6 +167,32 @@ def weights_held(denoiser: torch.nn.Module) -> dict[str, Any]:
     }
 
 
+def copy_weights(denoiser: torch.nn.Module, weights: dict[str, torch.Tensor]) -> int:
+    """Copy `weights` (names of the denoiser's own state dict, as diffusers saves it) into the
+    denoiser's parameters and buffers in place, in their dtype and on their device; a name an
+    adapter wrapped (`to_q.weight` -> `to_q.base_layer.weight`) reaches the base layer. Every
+    name and shape is checked before anything is copied: ValueError naming the first misfit.
+    Returns the tensors copied."""
+    own = denoiser.state_dict(keep_vars=True)
+    targets = {}
+    for name, value in weights.items():
+        target = name if name in own else name.rsplit(".", 1)[0] + ".base_layer." + name.rsplit(".", 1)[-1]
+        if target not in own:
+            raise ValueError(f"weights: {name!r} is no weight of the denoiser")
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(own[target].shape):
+            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ValueError(f"weights: {name!r} is {shape}, the denoiser's is {tuple(own[target].shape)}")
+        if type(own[target]) not in (torch.Tensor, torch.nn.Parameter):
+            raise ValueError(
+                f"weights: {name!r} is quantized here ({type(own[target]).__name__}); not replaced"
+            )
+        targets[target] = value
+    with torch.no_grad():
+        for target, value in targets.items():
+            own[target].copy_(value.to(own[target].device, own[target].dtype))
+    return len(targets)
+
+
 def apply_optimizations(pipe, opt, device: torch.device) -> None:
     """The accelerations named in `model.optimizations`; each refuses clearly when it cannot apply."""
     denoiser = find_denoiser(pipe)

@@ -71,6 +71,10 @@ class Engine(Protocol):
 
     def unload_lora(self, name: str) -> None: ...
 
+    def load_denoiser_weights(self, weights: dict[str, Any], version: int) -> int:
+        """Copy a trainer's denoiser weights in place (ValueError naming a misfit); the calls
+        that start after it carry `weights_version`."""
+
     def self_test(self) -> None:
         """A short known-good call; raises if the engine cannot run even that."""
 

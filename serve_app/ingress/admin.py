@@ -3,13 +3,15 @@ profiler, and collective RPC to the replicas' engines. Each needs an admin key (
 opt-in); listing the adapters is open to any caller."""
 
 import asyncio
+import logging
 import re
+import uuid
 from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter
 
-from serve_app.errors import InvalidRequest
+from serve_app.errors import InvalidRequest, ServingError
 from serve_app.formats.lora import check_adapter_file
 from serve_app.formats.sources import shown_path
 from serve_app.ingress.core import Core, CoreDep
@@ -54,20 +56,27 @@ async def add_lora(
     return _entry(core, name, entry)
 
 
+logger = logging.getLogger(__name__)
+
 PUSHED_DIR = ".pushed"  # under the first adapter root: where pushed versions are kept
-PUSHED_KEPT = 4  # versions of one pushed adapter kept on disk (queued requests may name older ones)
+PUSHED_KEPT = 16  # versions of one pushed adapter kept on disk (queued requests may name older ones)
+PUSH_LOAD_S = 300.0  # how long a push waits for every replica to load it (each between two calls)
 
 
 async def push_lora(
     core: Core, name: str, weights: dict[str, Any], scale: float = 1.0, model: str | None = None
 ) -> dict[str, Any]:
     """A trainer's new adapter weights (tensors, as a LoRA state dict in the diffusers/peft or
-    kohya layout) as the next version of pushed adapter `name`: kept as a file under the first
-    adapter root (so replicas that start later load it too), checked on one replica, registered,
-    then loaded on every replica of the model between two of its calls. Handle callers only."""
+    kohya layout) as the next version of pushed adapter `name`: written to a file of its own
+    under the first adapter root (so replicas that start later load it too), checked on one
+    replica, then numbered and registered under the registry's lock (concurrent pushes get
+    distinct versions, never reused), then loaded on every replica of the model between two of
+    its calls. Handle callers only."""
     import torch
 
     check_name(name)
+    if "." in name:  # PEFT keeps adapters in module dicts, whose keys hold no '.'
+        raise InvalidRequest("name: a pushed adapter's name holds no '.'", param="name")
     lim = core.cfg.lora
     if not lim.allowed_roots:
         raise InvalidRequest(
@@ -81,24 +90,93 @@ async def push_lora(
         raise InvalidRequest("weights: a non-empty dict of tensor names to torch tensors", param="weights")
     served = core.models.by_name(model)
     await served.ensure_ready()
-    entry = core.registry.all().get(name)
-    version = (entry or {}).get("version", 0) + 1
+    if "version" not in core.registry.all().get(name, {"version": 0}):
+        raise InvalidRequest(
+            f"name: adapter {name!r} is registered from a file; remove it before pushing one", param="name"
+        )
     folder = Path(lim.allowed_roots[0]) / PUSHED_DIR / name
-    path = folder / f"v{version}.safetensors"
-    await asyncio.to_thread(_write_weights, weights, path)
+    staged = folder / f"incoming-{uuid.uuid4().hex}.safetensors"  # this push's own file
     try:
-        await asyncio.to_thread(check_adapter_file, str(path), lim.allowed_roots, lim.max_file_mb)
-        await served.handle.validate_lora.remote(str(path))
+        await asyncio.to_thread(_write_weights, weights, staged)
+        await asyncio.to_thread(check_adapter_file, str(staged), lim.allowed_roots, lim.max_file_mb)
+        await served.handle.validate_lora.remote(str(staged))
     except Exception as e:
-        path.unlink(missing_ok=True)
+        staged.unlink(missing_ok=True)
+        if isinstance(e, OSError | ValueError | TypeError):  # the weights could not be written
+            raise InvalidRequest(
+                f"weights: not written as safetensors ({type(e).__name__})", param="weights"
+            ) from None
         err = core.call_error(e, name, [], served.name) or not_ready(served.label)
-        err.param, err.message = "weights", err.message.replace(str(path), f"{name} v{version}")
+        err.param, err.message = "weights", err.message.replace(str(staged), f"{name} (pushed)")
         raise err from None
-    entry = core.registry.push(name, str(path), scale, served.name)
-    loaded = await served.broadcast("load_pushed_lora", name, entry["version"], str(path))
-    for old in sorted(folder.glob("v*.safetensors"), key=lambda p: p.stat().st_mtime)[:-PUSHED_KEPT]:
-        old.unlink(missing_ok=True)
-    return {"name": name, "version": entry["version"], "model": served.name, "replicas": len(loaded)}
+
+    def claim(last: int) -> tuple[int, str]:  # under the registry's lock
+        version = max([last, *_versions(folder)]) + 1  # a removed name's numbers are not reused
+        final = folder / f"v{version}.safetensors"
+        staged.replace(final)
+        return version, str(final)
+
+    try:
+        entry = await asyncio.to_thread(core.registry.push, name, scale, served.name, claim)
+    finally:
+        staged.unlink(missing_ok=True)  # gone once claimed; left only if the registry refused it
+    version, path = entry["version"], entry["path"]
+    answer = {"name": name, "version": version, "model": served.name}
+    try:
+        loaded = await served.broadcast("load_pushed_lora", name, version, path, timeout=PUSH_LOAD_S)
+        answer["replicas"] = len(loaded)
+    except ServingError as e:  # registered: requests load it where they run; say what went wrong
+        answer["replicas"], answer["not_loaded"] = 0, e.message
+    for old in sorted(_versions(folder))[:-PUSHED_KEPT]:
+        (folder / f"v{old}.safetensors").unlink(missing_ok=True)
+    return answer
+
+
+def _versions(folder: Path) -> list[int]:
+    """The version numbers of the files kept in a pushed adapter's folder."""
+    return [
+        int(m[1])
+        for f in folder.glob("v*.safetensors")
+        if (m := re.fullmatch(r"v(\d+)\.safetensors", f.name))
+    ]
+
+
+async def push_weights(
+    core: Core, weights: dict[str, Any], version: int, model: str | None = None
+) -> dict[str, Any]:
+    """Denoiser weights to every live replica of `model`, through the object store (put once,
+    read by each replica), as `version`. A replica that starts later loads the configured
+    weights (its results carry no `weights_version`)."""
+    import ray
+    import torch
+
+    if (
+        not isinstance(weights, dict)
+        or not weights
+        or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items())
+    ):
+        raise InvalidRequest("weights: a non-empty dict of tensor names to torch tensors", param="weights")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise InvalidRequest("version: a whole number, at least 0", param="version")
+    served = core.models.by_name(model)
+    await served.ensure_ready()
+    ref = await asyncio.to_thread(ray.put, weights)
+    done = await served.broadcast("load_denoiser_weights", ref, version)
+    await _tell_ingresses(core, served.name, version)
+    return {"model": served.name, "weights_version": version, "replicas": len(done)}
+
+
+async def _tell_ingresses(core: Core, model: str, version: int) -> None:
+    """Every ingress replica's result cache keys on the new weights (this one's at least)."""
+    core.results.weights[model] = version
+    try:
+        from ray import serve
+
+        ctx = serve.get_replica_context()
+        me = serve.get_deployment_handle(ctx.deployment, ctx.app_name)
+        await me.broadcast("note_weights", model, version).results_async(timeout_s=30, return_exceptions=True)
+    except Exception as e:  # outside Serve (tests of the core): this ingress only
+        logger.debug("could not tell the other ingress replicas of new weights: %s", e)
 
 
 def _write_weights(weights: dict[str, Any], path: Path) -> None:

@@ -212,7 +212,7 @@ class Core:
             ]
         if key is None:
             return results[-1]
-        result = self.results.put(key, results[-1])
+        result = self.results.put(key, results[-1], prepared.model)
         if not cache:
             result = self.results.bypassed(result)
             count_cache(prepared.model, "bypass", self.results.bytes)

@@ -134,6 +134,19 @@ class DiffusionIngress:
         it carry its version (`policy_version`). Handle callers only: there is no HTTP route."""
         return await admin.push_lora(self.core, name, weights, scale, model)
 
+    async def push_weights(
+        self, weights: dict[str, Any], version: int, model: str | None = None
+    ) -> dict[str, Any]:
+        """A trainer's denoiser weights (a dict of tensors by the denoiser's own names, all or
+        some) copied into every live replica of `model` between two of its calls, as `version`:
+        results made with them say so (`weights_version`). Handle callers only."""
+        return await admin.push_weights(self.core, weights, version, model)
+
+    def note_weights(self, model: str, version: int) -> None:
+        """`model` runs weights pushed as `version` now (every ingress replica hears it): the
+        result cache keys on it."""
+        self.core.results.weights[model] = version
+
     async def pin_lora(self, name: str, pinned: bool = True) -> dict[str, Any]:
         return await admin.pin_lora(self.core, name, pinned)
 

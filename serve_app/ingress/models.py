@@ -116,7 +116,7 @@ class ServedModel:
             return self.handle.options(multiplexed_model_id=CHECKPOINT_ID + request.checkpoint)
         if not request.loras:
             return self.handle
-        return self.handle.options(multiplexed_model_id=request.loras[0].name)
+        return self.handle.options(multiplexed_model_id=request.loras[0].loaded_name)
 
 
 class Models:

@@ -67,6 +67,7 @@ def images_response(
         trajectory=result.trajectory,
         attempts=result.attempts,
         policy_version=result.policy_version,
+        weights_version=result.weights_version,
     )
     return resp.model_dump(mode="json", exclude_none=True)
 

@@ -64,6 +64,9 @@ class ResultCache:
         self.cfg = cfg
         self._roots = list(lora_roots)
         self._kept: OrderedDict[str, tuple[GenerationResult, int]] = OrderedDict()
+        # Each model's denoiser weights as a trainer last pushed them (`push_weights`): part of
+        # every key, so a push leaves the results made before it behind.
+        self.weights: dict[str, int | None] = {}
         self.bytes = 0
         self.hits = self.misses = self.bypasses = 0
 
@@ -76,7 +79,9 @@ class ResultCache:
         fields = request.model_dump(mode="json", exclude=leave_out)
         files = [_file_identity(ref.path, self._roots) for ref in request.loras]
         files.append(_file_identity(request.checkpoint_source, []))
-        blob = json.dumps([fields, files], sort_keys=True, separators=(",", ":"))
+        blob = json.dumps(
+            [fields, files, self.weights.get(request.model)], sort_keys=True, separators=(",", ":")
+        )
         return hashlib.sha256(blob.encode()).hexdigest()
 
     def get(self, key: str, request: PreparedRequest) -> GenerationResult | None:
@@ -95,12 +100,15 @@ class ResultCache:
         )
         return result.model_copy(update={"request_id": request.request_id, "metrics": metrics, "attempts": 0})
 
-    def put(self, key: str, result: GenerationResult) -> GenerationResult:
-        """Keep `result` under `key` (unless it is too large), evicting the least recently used
-        past `max_bytes`; returns it marked as a miss."""
+    def put(self, key: str, result: GenerationResult, model: str) -> GenerationResult:
+        """Keep `result` under `key` (unless it is too large, or made with other weights of
+        `model` than the last pushed), evicting the least recently used past `max_bytes`;
+        returns it marked as a miss."""
         result = result.model_copy(update={"metrics": result.metrics.model_copy(update={"cache": "miss"})})
         size = result_bytes(result)
         if size > min(self.cfg.max_entry_bytes, self.cfg.max_bytes):
+            return result
+        if result.weights_version != self.weights.get(model):  # a push came while it was made
             return result
         old = self._kept.pop(key, None)
         if old is not None:

@@ -148,10 +148,15 @@ class AdapterResidency:
     def drop(self, name: str, versions: bool = True) -> bool:
         """Evict `name` (pinned or not), and with `versions` every pushed version of it
         (`name@v<k>`); False if none was loaded here."""
-        names = [n for n in self._loaded if n == name or (versions and n.startswith(f"{name}@v"))]
+
+        def named(n: str) -> bool:
+            return n == name or (versions and n.startswith(f"{name}@v"))
+
+        names = [n for n in self._loaded if named(n)]
         self._pinned.discard(name)
         with self._lock:
-            self._staged.pop(name, None)
+            for n in [n for n in self._staged if named(n)]:
+                del self._staged[n]
         for n in names:
             self._unload(n)
         if names:
@@ -168,7 +173,8 @@ class AdapterResidency:
 
 
 class AdapterControl:
-    """Mixed into the replica: the ingress's adapter calls (check, pin, evict, list)."""
+    """Mixed into the replica: the ingress's adapter calls (check, pin, evict, list, pushed
+    versions) and a trainer's denoiser weights."""
 
     adapters: AdapterResidency
 
@@ -201,9 +207,11 @@ class AdapterControl:
         a queued request for an older version loads that one again. LoraError -> 400."""
 
         def swap() -> None:
-            new = f"{name}@v{version}"
-            self.adapters.hold(new, path)
-            for old in [n for n in self.adapters.loaded if n.startswith(f"{name}@v") and n != new]:
+            held = {int(n.rsplit("@v", 1)[1]): n for n in self.adapters.loaded if n.startswith(f"{name}@v")}
+            if any(v > version for v in held):  # a later push came first: keep that one
+                return
+            self.adapters.hold(f"{name}@v{version}", path)
+            for old in [n for v, n in held.items() if v < version]:
                 self.adapters.drop(old, versions=False)
 
         try:
@@ -211,6 +219,15 @@ class AdapterControl:
         except LoraError as e:
             raise InvalidRequest(f"weights: {e}", param="weights") from None
         return self.adapters.loaded
+
+    async def load_denoiser_weights(self, weights: dict[str, Any], version: int) -> dict[str, Any]:
+        """A trainer's denoiser weights (from the object store) copied in between two calls;
+        ValueError (a misfit) -> 400 naming `weights`."""
+        try:
+            copied = await self._on_engine(self.adapters.engine.load_denoiser_weights, weights, version)
+        except ValueError as e:
+            raise InvalidRequest(str(e), param="weights") from None
+        return {"replica_id": replica_id(), "copied": copied, "weights_version": version}
 
     def loaded_loras(self) -> dict[str, Any]:
         return {"replica_id": replica_id(), "loaded": self.adapters.loaded, "pinned": self.adapters.pinned}

@@ -228,6 +228,8 @@ class EngineLoop:
         the rows in pipeline calls of at most `max_batch_images` (one call unless one job is
         larger). `paused`: the jobs of a call paused in its step hook for this one."""
         params, engine = work(batch[0]).params, work(batch[0]).engine or self.engine
+        for job in batch:
+            job.weights_version = getattr(engine, "weights_version", None)
         self._hold_adapters(batch, paused or ())
         run = engine.run if paused is None else engine.run_paused
         size = self.batching.max_batch_images
@@ -349,10 +351,12 @@ class EngineLoop:
                 return
             fits = lambda j: all(r.adapters == joined.adapters for r in j.rows)  # noqa: E731
             key = joined.batch[0].join_key
+            parked = set(joined.parked)
             room = between_steps(self, joined, lambda j: j.join_key == key and fits(j))
             if room > 0:
                 joined.inbox += self.scheduler.take_joiners(key, room, fits, joined.admitted)
-            joined.news.set()
+            if joined.inbox or set(joined.parked) != parked:  # news for the engine thread
+                joined.news.set()
 
     def _open_joined(self, batch: list[Job], params: CallParams, adapters):
         self._hold_adapters(batch)
@@ -376,6 +380,7 @@ class EngineLoop:
             seat = run.add([r for j in jobs for r in j.rows], step_hook(jobs, loop), work(jobs[0]).params)
             start = 0
             for job in jobs:
+                job.weights_version = getattr(self.engine, "weights_version", None)
                 joined.members[id(job)] = _Member(job, seat, start)
                 start += len(job.rows)
         metrics.observe_batch(self.engine.model_name, run.active)

@@ -156,8 +156,6 @@ def between_steps(owner: EngineLoop, joined, can_join: Callable[[Job], bool]) ->
     if head is not None and not (can_join(head) and len(head.rows) <= min(share, limit)):
         head = None
     priorities = _seat_priorities(joined)
-    for seat in [s for s in joined.parked if s.done]:  # ended as it was parked: settled already
-        del joined.parked[seat]
     for seat, rows in list(joined.parked.items()):
         if rows.total() > room or (head is not None and head.priority > priorities.get(seat, 0)):
             break

@@ -109,4 +109,5 @@ def build_result(
         trajectory=trajectory,
         flagged=[i for i, f in enumerate(out.flagged) if f] if out.flagged and any(out.flagged) else None,
         policy_version=max((r.version for r in request.loras if r.version is not None), default=None),
+        weights_version=job.weights_version,
     )

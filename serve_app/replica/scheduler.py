@@ -59,6 +59,7 @@ class Job:
     # Higher runs first (jobs of a priority above a running call's may preempt it); within a
     # priority, tenants' fair order.
     priority: int = 0
+    weights_version: int | None = None  # the denoiser weights' version its call started with
 
     @property
     def ident(self) -> tuple[str, str]:
@@ -346,7 +347,8 @@ class Scheduler:
             return []
         if time.perf_counter() - head.enqueued < wait_s or not can(head):
             return []
-        batch = [j for j in self.gather() if can(j)]
+        # Its company adds no adapter to the head's: `can` judged the head's beside the paused call's.
+        batch = [head, *(j for j in self.gather()[1:] if can(j) and set(j.adapters) <= set(head.adapters))]
         self._start(batch)
         self.running += batch
         self.preemptions += 1

@@ -42,7 +42,7 @@ class LoraRef(_Wire):
     )
     path: str | None = Field(None, description="Filled in by the server from the registry; ignored if sent.")
     version: int | None = Field(
-        None, ge=1, description="Filled in by the server: a pushed adapter's version; ignored if sent."
+        None, description="Filled in by the server: a pushed adapter's version; ignored if sent."
     )
 
     @property

@@ -213,6 +213,9 @@ class GenerationResult(_Wire):
         description="The version of the pushed adapter it was made with (the highest, with several); "
         "absent when it used none.",
     )
+    weights_version: int | None = Field(
+        None, description="The version of the denoiser weights a trainer pushed that it was made with."
+    )
 
     def pil_images(self) -> list[Any]:
         from PIL import Image

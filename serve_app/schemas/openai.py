@@ -282,6 +282,9 @@ class ImagesResponse(BaseModel):
     trajectory: Trajectory | None = None
     attempts: int = 1
     policy_version: int | None = Field(None, description="The pushed adapter's version it was made with.")
+    weights_version: int | None = Field(
+        None, description="The pushed denoiser weights' version it was made with."
+    )
 
 
 class SamplerCard(BaseModel):
