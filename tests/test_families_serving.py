@@ -265,3 +265,8 @@ def test_step_caching_follows_the_deployment_default_and_the_request(twins, clie
     flux = {"negative_prompt": "blue", "true_cfg_scale": 4.0}
     cached, full = latents("tiny-flux", acceleration="faster", **flux), latents("tiny-flux", **flux)
     assert 0 < np.abs(cached - full).mean() < 0.1 * np.abs(full).mean()
+
+
+def test_a_video_model_refuses_decoded_trajectories_naming_the_field(twins, client):
+    r = client.post(route("tiny-wan"), json={"prompt": "x", "return_trajectory_decoded": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "return_trajectory_decoded", r.text

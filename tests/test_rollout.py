@@ -180,3 +180,29 @@ def test_a_rollout_over_http_returns_a_group_s_log_probs_and_refuses_a_bad_one(c
     odd = client.post("/v1/images/generations", json={**body, "rollout": {"noise_level": 0}})
     assert odd.status_code in (400, 422) and "rollout" in odd.text, odd.text
     assert replica_ids(client) == before  # the refusals left the replica as it was
+
+
+@pytest.mark.parametrize("model", ["tiny-flux", "tiny-sd"])
+def test_the_decoded_trajectory_is_each_step_decoded_and_ends_in_the_image(engines, model):
+    """The original's `trajectory_decoded`: every step's latents decoded as the pipeline decodes
+    its last (FLUX's packed latents unpacked and shifted), so the last step is the image."""
+    params = CallParams(height=32, width=32, steps=STEPS, guidance_scale=4.0, return_trajectory=True,
+                        decode_trajectory=True)  # fmt: skip
+    out = engines[model].run([Row("a red circle", None, 1), Row("a blue square", None, 2)], params)
+    assert len(out.trajectory_decoded) == STEPS and all(len(step) == 2 for step in out.trajectory_decoded)
+    for i in range(2):
+        assert np.array_equal(np.asarray(out.trajectory_decoded[-1][i]), np.asarray(out.images[i]))
+        assert not np.array_equal(np.asarray(out.trajectory_decoded[0][i]), np.asarray(out.images[i]))
+    part = out.slice(1, 2)  # each request gets its own rows of every step
+    assert all(len(step) == 1 for step in part.trajectory_decoded)
+    assert np.array_equal(np.asarray(part.trajectory_decoded[-1][0]), np.asarray(out.images[1]))
+
+
+def test_the_decoded_trajectory_over_http_is_png_per_step_and_image(client):
+    body = {"prompt": "a red circle", "seed": 5, "n": 2, "size": "32x32", "num_inference_steps": 3,
+            "return_trajectory_decoded": True}  # fmt: skip
+    r = client.post("/v1/images/generations", json=body)
+    assert r.status_code == 200, r.text
+    decoded = r.json()["trajectory"]["decoded"]
+    assert len(decoded) == 3 and all(len(step) == 2 for step in decoded)
+    assert [decoded[-1][i] for i in range(2)] == [d["b64_json"] for d in r.json()["data"]]

@@ -192,3 +192,17 @@ def test_diffusers_stable_diffusion_safety_checker_flags_by_its_own_rule(plain, 
     assert out.flagged == [True, False] and out.refuse_flagged
     with pytest.raises(ModelLoadError, match="model.safety.flagged_labels: diffusers' checker"):
         SafetyChecker(SafetyConfig(checker=directory, flagged_labels=["nsfw"]), torch.device("cpu"))
+
+
+def test_a_blanked_image_leaves_in_no_other_form(checker):
+    """With `action: blank`, a flagged row's latents, trajectory and decoded steps are withheld
+    too (zeros, black), so nobody decodes the blanked image from them; the other row keeps its."""
+    e = shapes(checker, action="blank")
+    params = CallParams(height=64, width=64, steps=12, guidance_scale=4.0, return_latents=True,
+                        return_trajectory=True, decode_trajectory=True)  # fmt: skip
+    out = e.run([Row(RED, None, 1), Row(BLUE, None, 1)], params)
+    assert out.flagged == [True, False]
+    assert float(out.latents[0].abs().max()) == 0 and float(out.latents[1].abs().max()) > 0
+    assert all(float(x[0].abs().max()) == 0 for x in out.trajectory_latents)
+    assert all(np.asarray(step[0]).max() == 0 for step in out.trajectory_decoded)
+    assert np.asarray(out.trajectory_decoded[-1][1]).max() > 0

@@ -24,6 +24,7 @@ from serve_app.engine.loading import denoiser_name, find_denoiser
 from serve_app.engine.media import encode_image
 from serve_app.engine.memory import PeakMemory
 from serve_app.engine.rollout import RolloutRecord, RolloutScheduler, noise_seed
+from serve_app.engine.safety import withhold_flagged
 from serve_app.engine.schedulers import Schedulers, seed_noise
 from serve_app.engine.step_cache import NoCache, step_cache
 from serve_app.engine.types import CallParams, EngineOutput, InvalidArguments, Row, StepHook
@@ -89,6 +90,7 @@ class _CallState:
     steps_run: int = 0
     last_latents: torch.Tensor | None = None
     trajectory: list[torch.Tensor] = field(default_factory=list)
+    decoded: list[list[Any]] = field(default_factory=list)
     timesteps: list[float] = field(default_factory=list)
     rollout: RolloutRecord | None = None
 
@@ -247,6 +249,7 @@ class Runner:
         if self.safety is not None and images:  # every image checked before anyone sees it
             out.images, out.flagged = self.safety.apply(images, params.moderation)
             out.refuse_flagged = self.safety.cfg.action == "refuse"
+            withhold_flagged(out)
         return out
 
     def _step_end(self, params: CallParams, step_hook: StepHook | None, cache, st: _CallState):
@@ -262,6 +265,8 @@ class Runner:
             if params.return_trajectory:
                 st.trajectory.append(host_copy(latents))
                 st.timesteps.append(float(t))
+            if params.decode_trajectory:
+                st.decoded.append(self._decoded(latents, params))
             last = i + 1 == st.total
             if step_hook is not None and step_hook(i, st.total, lambda: self._viewable(latents, params)):
                 raise _StopCall
@@ -339,6 +344,7 @@ class Runner:
             latents=st.last_latents,
             trajectory_latents=st.trajectory if params.return_trajectory else None,
             trajectory_timesteps=st.timesteps if params.return_trajectory else None,
+            trajectory_decoded=st.decoded if params.decode_trajectory else None,
             trajectory_start=st.rollout.start if st.rollout else None,
             rollout_steps=list(st.rollout.steps) if st.rollout else None,
             trajectory_log_probs=st.rollout.table() if st.rollout else None,
@@ -348,6 +354,16 @@ class Runner:
 
     def _viewable(self, latents: torch.Tensor, params: CallParams) -> torch.Tensor:
         return image_latents(self.pipe, self.family, latents, params.height, params.width)
+
+    def _decoded(self, latents: torch.Tensor, params: CallParams) -> list[Any]:
+        """A step's latents decoded as the pipeline decodes its last (an image model's VAE:
+        unscaled, shifted, decoded, post-processed): one PIL image per row."""
+        vae = self.pipe.vae
+        z = self._viewable(latents, params).to(vae.dtype) / vae.config.scaling_factor
+        shift = getattr(vae.config, "shift_factor", None)
+        with torch.no_grad():
+            pixels = vae.decode(z + shift if shift is not None else z, return_dict=False)[0]
+        return self.pipe.image_processor.postprocess(pixels, output_type="pil")
 
     def _sync(self) -> None:
         if self.device.type == "cuda":

@@ -136,6 +136,20 @@ class SafetyChecker:
         return images, flagged
 
 
+def withhold_flagged(out) -> None:
+    """Nothing of a flagged row leaves in another form: its latents, trajectory (latents, start)
+    and decoded steps become zeros and black images (its log-probabilities show no pixels)."""
+    rows = [i for i, f in enumerate(out.flagged or []) if f]
+    if not rows:
+        return
+    for t in [out.latents, out.trajectory_start, *(out.trajectory_latents or [])]:
+        if t is not None:
+            t[rows] = 0
+    for step in out.trajectory_decoded or []:
+        for i in rows:
+            step[i] = _black(step[i])
+
+
 def _black(im):
     from PIL import Image
 

@@ -93,6 +93,7 @@ class CallParams:
     loras: tuple[tuple[str, float], ...] = ()  # (adapter name, scale) each; they must be loaded
     return_latents: bool = False
     return_trajectory: bool = False
+    decode_trajectory: bool = False  # with the trajectory: the image decoded after every step
     num_frames: int | None = None  # video models only
     task: str = "generate"  # one of TASKS
     strength: float | None = None  # img2img and inpaint: how much of the input is noised away
@@ -123,6 +124,7 @@ class EngineOutput:
     latents: torch.Tensor | None = None
     trajectory_latents: list[torch.Tensor] | None = None
     trajectory_timesteps: list[float] | None = None
+    trajectory_decoded: list[list[Any]] | None = None  # per step, each row's decoded PIL image
     # A rollout's: the latents before the first step, the stochastic steps and their
     # log-probabilities per row (rows, len(rollout_steps)).
     trajectory_start: torch.Tensor | None = None
@@ -151,6 +153,7 @@ class EngineOutput:
                 timings[k] = timings.get(k, 0.0) + v
         latents = [p.latents for p in parts]
         traj = [p.trajectory_latents for p in parts]
+        decoded = [p.trajectory_decoded for p in parts]
         return cls(
             images=[im for p in parts for im in p.images],
             timings_ms=timings,
@@ -163,6 +166,11 @@ class EngineOutput:
                 else None
             ),
             trajectory_timesteps=parts[0].trajectory_timesteps,
+            trajectory_decoded=(
+                [[im for step in steps for im in step] for steps in zip(*decoded, strict=True)]
+                if all(x is not None for x in decoded)
+                else None
+            ),
             trajectory_start=_cat([p.trajectory_start for p in parts]),
             rollout_steps=parts[0].rollout_steps,
             trajectory_log_probs=_cat([p.trajectory_log_probs for p in parts]),
@@ -188,6 +196,11 @@ class EngineOutput:
                 else None
             ),
             trajectory_timesteps=self.trajectory_timesteps,
+            trajectory_decoded=(
+                [step[start:stop] for step in self.trajectory_decoded]
+                if self.trajectory_decoded is not None
+                else None
+            ),
             trajectory_start=_rows(self.trajectory_start, start, stop),
             rollout_steps=self.rollout_steps,
             trajectory_log_probs=_rows(self.trajectory_log_probs, start, stop),

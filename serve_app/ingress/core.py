@@ -113,6 +113,11 @@ class Core:
         check_media(request, info, limits)
         sampler = check_sampler(request, info)
         video = info.modality == "video"
+        if video and request.return_trajectory_decoded:
+            raise InvalidRequest(
+                "return_trajectory_decoded: an image model's (a video's steps are not decoded)",
+                param="return_trajectory_decoded",
+            )
         task, image, mask = "generate", None, None
         if request.image is not None:
             task = edit_task(request, info)

@@ -213,8 +213,12 @@ class DiffusionReplica(AdapterControl, CheckpointServing):
         request = work(job).request
         check_flagged(job, output, self.engine.model_name)
         fmt = (request.output_format, request.fps, request.output_compression)
-        encoding = (loop.run_in_executor(self._cpu_pool, encode_output, im, *fmt) for im in output.images)
-        images = await asyncio.gather(*encoding)
+        steps = [im for step in output.trajectory_decoded or [] for im in step]  # decoded steps: PNG
+        fmts = [fmt] * len(output.images) + [("png", None, None)] * len(steps)
+        pairs = zip([*output.images, *steps], fmts, strict=True)
+        images = await asyncio.gather(
+            *(loop.run_in_executor(self._cpu_pool, encode_output, im, *f) for im, f in pairs)
+        )
         name = request.checkpoint or self.engine.model_name
         return build_result(job, output, images, (time.perf_counter() - t) * 1e3, name)
 

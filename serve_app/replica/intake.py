@@ -55,7 +55,10 @@ def new_job(engine: Engine, request: PreparedRequest, future: asyncio.Future, pr
         guidance_scale=request.guidance_scale,
         extra=tuple(sorted(extra.items())),
         return_latents=request.return_latents,
-        return_trajectory=request.return_trajectory or rollout is not None,
+        return_trajectory=request.return_trajectory
+        or rollout is not None
+        or request.return_trajectory_decoded,
+        decode_trajectory=request.return_trajectory_decoded,
         rollout=rollout,
         moderation=request.moderation,
         num_frames=request.num_frames,
@@ -78,7 +81,7 @@ def new_job(engine: Engine, request: PreparedRequest, future: asyncio.Future, pr
     # sampler (each row's call has a scheduler of its own) and the outputs asked for may differ
     # between the requests that share its denoiser.
     own = dict(steps=0, guidance_scale=0.0, strength=None, return_latents=False, return_trajectory=False,
-               sampler=None, sigma_schedule=None)  # fmt: skip
+               decode_trajectory=False, sampler=None, sigma_schedule=None)  # fmt: skip
     return Job(
         request_id=request.request_id,
         rows=rows,

@@ -67,9 +67,11 @@ def check_flagged(job: Job, out: EngineOutput, model: str) -> None:
 
 
 def build_result(
-    job: Job, out: EngineOutput, images: list[bytes], encode_ms: float, model: str
+    job: Job, out: EngineOutput, encoded: list[bytes], encode_ms: float, model: str
 ) -> GenerationResult:
+    """`encoded`: the images, then each decoded step's images (`return_trajectory_decoded`)."""
     request = work(job).request
+    images, rest, n = encoded[: len(out.images)], encoded[len(out.images) :], len(job.rows)
     t = out.timings_ms
     stage = StageMetrics(
         queue_ms=(job.started - job.enqueued) * 1e3,
@@ -94,6 +96,8 @@ def build_result(
             trajectory.start = TensorPayload.from_tensor(out.trajectory_start)
             trajectory.stochastic_steps = out.rollout_steps
             trajectory.log_probs = TensorPayload.from_tensor(out.trajectory_log_probs)
+        if out.trajectory_decoded is not None:
+            trajectory.decoded = [rest[k : k + n] for k in range(0, len(rest), n)]
     metrics.observe_stages(model, stage.stage_ms())
     return GenerationResult(
         request_id=job.request_id,

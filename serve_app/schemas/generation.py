@@ -110,6 +110,11 @@ class GenerationParams(_Wire):
     )
     return_latents: bool = False
     return_trajectory: bool = False
+    return_trajectory_decoded: bool = Field(
+        False,
+        description="With the trajectory: the image decoded from the latents after every step, as PNG "
+        "(`trajectory.decoded`, per step, per image; image models).",
+    )
     rollout: Rollout | None = Field(
         None,
         description="RL rollouts: stochastic steps with per-row log-probabilities, returned in "

@@ -57,6 +57,7 @@ class PreparedRequest(_Wire):
     mask: PixelPayload | None = None  # "L", the same size
     return_latents: bool = False
     return_trajectory: bool = False
+    return_trajectory_decoded: bool = False
     rollout: Rollout | None = None
     moderation: str | None = None
     priority: int = Field(PRIORITIES["interactive"], ge=0, le=9)  # a level: higher runs first
@@ -137,6 +138,7 @@ class PreparedRequest(_Wire):
             mask=mask,
             return_latents=request.return_latents,
             return_trajectory=request.return_trajectory,
+            return_trajectory_decoded=request.return_trajectory_decoded,
             rollout=request.rollout,
             moderation=request.moderation,
             **({} if priority is None else {"priority": priority}),  # unset: the tenant's default

@@ -65,6 +65,7 @@ _MODEL_RULES = (
     ("rollout", "a model a rollout's sampler can be built for (its scheduler config)"),
     ("request_id", "not the id of a request queued or running now"),
     ("priority", "at most the tenant's max_priority"),
+    ("return_trajectory_decoded", "an image model (not a video model)"),
     ("webhook", "only with `Prefer: respond-async`; its host is one of jobs.webhook_hosts"),
     ("webhook_events", "only with `webhook` and `Prefer: respond-async`"),
     ("stream", "not with `Prefer: respond-async` (a job streams from GET /v1/jobs/{id}/events)"),

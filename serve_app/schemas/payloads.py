@@ -7,7 +7,7 @@ import base64
 import io
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, PlainSerializer
+from pydantic import BeforeValidator, Field, PlainSerializer
 
 from serve_app.schemas.base import B64Bytes, _Wire
 
@@ -105,3 +105,6 @@ class Trajectory(_Wire):
     start: TensorPayload | None = None
     stochastic_steps: list[int] | None = None
     log_probs: TensorPayload | None = None
+    decoded: list[list[B64Bytes]] | None = Field(
+        None, description="`return_trajectory_decoded`: per step, each image decoded from its latents (PNG)."
+    )
