@@ -206,3 +206,15 @@ def test_the_decoded_trajectory_over_http_is_png_per_step_and_image(client):
     decoded = r.json()["trajectory"]["decoded"]
     assert len(decoded) == 3 and all(len(step) == 2 for step in decoded)
     assert [decoded[-1][i] for i in range(2)] == [d["b64_json"] for d in r.json()["data"]]
+
+
+def test_handle_callers_get_the_tensors_as_raw_bytes_not_base64(handle):
+    """A handle caller's result travels pickled through Ray's object store: its tensors are the
+    raw bytes of the tensor (no base64 text), and `to_torch()` gives the tensor back."""
+    body = {"prompt": "a red circle", "seed": 5, "num_images": 2, "num_inference_steps": 3, "rollout": {}}
+    r = handle.generate.remote(body).result()
+    table = r.trajectory.log_probs
+    assert isinstance(table.data, bytes) and len(table.data) == 2 * 3 * 4  # float32, as is
+    assert table.to_torch().shape == (2, 3) and table.to_torch().dtype == torch.float32
+    step = r.trajectory.latents[0]
+    assert len(step.data) == step.to_torch().numel() * step.to_torch().element_size()
