@@ -72,8 +72,6 @@ async def push_lora(
     replica, then numbered and registered under the registry's lock (concurrent pushes get
     distinct versions, never reused), then loaded on every replica of the model between two of
     its calls. Handle callers only."""
-    import torch
-
     check_name(name)
     if "." in name:  # PEFT keeps adapters in module dicts, whose keys hold no '.'
         raise InvalidRequest("name: a pushed adapter's name holds no '.'", param="name")
@@ -82,12 +80,7 @@ async def push_lora(
         raise InvalidRequest(
             "weights: pushed adapters are kept under lora.allowed_roots; none is set", param="weights"
         )
-    if (
-        not isinstance(weights, dict)
-        or not weights
-        or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items())
-    ):
-        raise InvalidRequest("weights: a non-empty dict of tensor names to torch tensors", param="weights")
+    _check_weights(weights)
     served = core.models.by_name(model)
     await served.ensure_ready()
     if "version" not in core.registry.all().get(name, {"version": 0}):
@@ -132,6 +125,18 @@ async def push_lora(
     return answer
 
 
+def _check_weights(weights: Any) -> None:
+    """A trainer's weights as pushes take them: a non-empty dict of names to torch tensors."""
+    import torch
+
+    if (
+        not isinstance(weights, dict)
+        or not weights
+        or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items())
+    ):
+        raise InvalidRequest("weights: a non-empty dict of tensor names to torch tensors", param="weights")
+
+
 def _versions(folder: Path) -> list[int]:
     """The version numbers of the files kept in a pushed adapter's folder."""
     return [
@@ -148,14 +153,8 @@ async def push_weights(
     read by each replica), as `version`. A replica that starts later loads the configured
     weights (its results carry no `weights_version`)."""
     import ray
-    import torch
 
-    if (
-        not isinstance(weights, dict)
-        or not weights
-        or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in weights.items())
-    ):
-        raise InvalidRequest("weights: a non-empty dict of tensor names to torch tensors", param="weights")
+    _check_weights(weights)
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
         raise InvalidRequest("version: a whole number, at least 0", param="version")
     served = core.models.by_name(model)
