@@ -346,12 +346,15 @@ def test_on_a_service_without_keys_a_made_up_key_is_no_tenant_of_its_own(client)
 def test_a_tenant_cannot_raise_its_priority_past_its_maximum(tenants_app, base_url):
     """Issue 58: `priority` above the tenant's `max_priority` is a 400 naming it; the default
     (interactive) is lowered to the maximum, not refused; a handle caller is held to it too."""
-    for key, priority in ((KEY_P, "interactive"), (KEY_P, 1), (KEY_A, 9)):
-        r = call(base_url, key, priority=priority)
-        assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
-        assert "max_priority" in r.json()["error"]["message"]
-    bad = call(base_url, KEY_A, priority="urgent")
-    assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority", bad.text
+    before = status(base_url, ADMIN)["replicas"][0]["replica_id"]
+    for _ in range(3):  # again and again: the replica never sees them
+        for key, priority in ((KEY_P, "interactive"), (KEY_P, 1), (KEY_A, 9)):
+            r = call(base_url, key, priority=priority)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+            assert "max_priority" in r.json()["error"]["message"]
+        for odd in ("urgent", -1, 10, True, "5", 2.5, [5]):
+            bad = call(base_url, KEY_A, priority=odd)
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "priority", (odd, bad.text)
     for key, body in ((KEY_P, {}), (KEY_P, {"priority": "batch"}), (KEY_A, {"priority": "interactive"})):
         r = call(base_url, key, num_inference_steps=2, **body)
         assert r.status_code == 200, r.text
@@ -359,3 +362,5 @@ def test_a_tenant_cannot_raise_its_priority_past_its_maximum(tenants_app, base_u
     with pytest.raises(InvalidRequest) as e:
         handle.generate.remote({"prompt": "x", "tenant": "team-p", "priority": 3}).result()
     assert e.value.param == "priority"
+    after = status(base_url, ADMIN)["replicas"][0]
+    assert after["replica_id"] == before and after["healthy"]
