@@ -21,6 +21,8 @@ from typing import Any
 
 from serve_app.errors import InvalidRequest, NotFound, ServingError
 
+# Under the first adapter root: where a trainer's pushed adapter versions are kept (ingress/admin.py).
+PUSHED_DIR = ".pushed"
 NAME_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 

@@ -56,6 +56,13 @@ def test_presets_cover_the_model_families():
         "stable-diffusion-3",
         "FLUX",
         "Wan",
+        "Qwen-Image",
+        "Qwen-Image-Edit",
+        "Z-Image",
+        "FLUX.2-klein",
+        "Wan2.2-I2V",
+        "LTX-Video",
+        "HunyuanVideo-1.5",
         "builtin:sd15-arch",
         "builtin:sdxl-arch",
         "builtin:flux-arch",
@@ -65,8 +72,10 @@ def test_presets_cover_the_model_families():
 
 # Which family a GPU config's model belongs to, by its source.
 _FAMILY_OF_SOURCE = [("stable-diffusion-v1-5", "sd"), ("sd15-arch", "sd"), ("stable-diffusion-xl", "sdxl"),
-                     ("sdxl-arch", "sdxl"), ("stable-diffusion-3", "sd3"), ("FLUX", "flux"),
-                     ("flux-arch", "flux"), ("Wan", "wan")]  # fmt: skip
+                     ("sdxl-arch", "sdxl"), ("stable-diffusion-3", "sd3"), ("FLUX.2", "flux2"),
+                     ("FLUX", "flux"), ("flux-arch", "flux"), ("Wan", "wan"), ("Qwen-Image", "qwen-image"),
+                     ("Z-Image", "z-image"), ("LTX", "ltx"),
+                     ("HunyuanVideo-1.5", "hunyuan-video")]  # fmt: skip
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
@@ -75,6 +84,9 @@ def test_each_config_names_the_twin_ci_runs_for_its_family(path):
     from serve_app.engine.engine import find_denoiser
     from serve_app.engine.families import describe_pipeline
     from tests.test_families import TWINS
+    from tests.test_new_families import MODELS
+
+    NEW_TWINS = list(MODELS.values())
 
     text = path.read_text()
     served = AppConfig.from_args(yaml.safe_load(text)["applications"][0]["args"]).served()
@@ -83,7 +95,7 @@ def test_each_config_names_the_twin_ci_runs_for_its_family(path):
         return  # embedded models CI runs themselves
     twin = re.search(r"^# CI twin: builtin:([\w-]+)", text, re.M)
     assert twin, f"{path.name} does not name its CI twin"
-    assert twin.group(1) in [*TWINS, "tiny-sd"]
+    assert twin.group(1) in [*TWINS, "tiny-sd", *NEW_TWINS]
     family = next(f for key, f in _FAMILY_OF_SOURCE if key in source)
     pipe = build_builtin(twin.group(1))
     assert describe_pipeline(pipe, find_denoiser(pipe)).name == family

@@ -164,7 +164,7 @@ BAD = [
         [("image", up(picture())), ("image", up(picture()))],
         {},
         "image",
-        "an edit here takes one image",
+        "2 images; tiny-sd (StableDiffusionPipeline) takes one",
     ),
     ({"image": ("a.png", png(picture()), "image/png")}, {"strength": 0}, "strength", "greater than 0"),
     ({"image": ("a.png", png(picture()), "image/png")}, {"strength": 1.5}, "strength", "less than or equal"),

@@ -67,7 +67,9 @@ def twins(ray_cluster, client):
 
 
 def route(name: str) -> str:
-    return f"{prefix(name)}/v1/videos" if name == "tiny-wan" else f"{prefix(name)}/v1/images/generations"
+    if name == "tiny-wan":
+        return f"{prefix(name)}/v1/videos/generations"
+    return f"{prefix(name)}/v1/images/generations"
 
 
 def decode(name: str, b64: str) -> np.ndarray:
@@ -231,7 +233,9 @@ def test_video_length_formats_and_refusals(twins, client):
         err = r.json()["error"]
         assert err["param"] == param and words in err["message"], err
     # An image model has no video route.
-    r = client.post(route("tiny-sdxl").replace("images/generations", "videos"), json={"prompt": "a"})
+    r = client.post(
+        route("tiny-sdxl").replace("images/generations", "videos/generations"), json={"prompt": "a"}
+    )
     assert r.status_code == 400 and "makes images" in r.json()["error"]["message"]
 
 
@@ -270,3 +274,86 @@ def test_step_caching_follows_the_deployment_default_and_the_request(twins, clie
 def test_a_video_model_refuses_decoded_trajectories_naming_the_field(twins, client):
     r = client.post(route("tiny-wan"), json={"prompt": "x", "return_trajectory_decoded": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "return_trajectory_decoded", r.text
+
+
+def test_openai_s_videos_api_through_the_official_sdk(twins, client, base_url):
+    """OpenAI's Videos API as its SDK calls it: `create_and_poll` makes a video job, whose
+    `download_content` is the MP4 (and a WebP thumbnail, a JPEG spritesheet); `retrieve`, `list`
+    pages, an idempotency key, another key's 404, `delete` (of a running one too: it is
+    aborted), and each bad input a 400 naming its field."""
+    import openai
+    from openai import OpenAI
+
+    from serve_app.testing import SLOW_MARKER
+
+    oai = OpenAI(base_url=f"{base_url}{prefix('tiny-wan')}/v1", api_key="video-key", max_retries=0)
+    fast = {"fps": 4, "num_inference_steps": 2, "seed": 3}
+    video = oai.videos.create_and_poll(prompt="a boat", seconds="2", size="32x32", extra_body=fast,
+                                       poll_interval_ms=100)  # fmt: skip
+    assert (video.object, video.status, video.progress, video.size) == ("video", "completed", 100, "32x32"), (
+        video
+    )
+    assert video.seconds == "2.25" and video.prompt == "a boat" and video.completed_at >= video.created_at
+    assert video.model == client.get(f"{prefix('tiny-wan')}/v1/models").json()["data"][0]["id"]
+    mp4 = oai.videos.download_content(video.id).content
+    with av.open(io.BytesIO(mp4)) as c:
+        assert c.streams.video[0].codec_context.name == "h264"
+        frames = [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+    assert len(frames) == 9 and frames[0].shape == (32, 32, 3)  # 2 s at 4 fps, at Wan's 4k+1 rule
+    thumb = Image.open(io.BytesIO(oai.videos.download_content(video.id, variant="thumbnail").content))
+    assert thumb.format == "WEBP" and thumb.size == (32, 32)
+    assert np.abs(np.asarray(thumb.convert("RGB"), dtype=int) - frames[0]).mean() < 12  # the first frame
+    sheet = Image.open(io.BytesIO(oai.videos.download_content(video.id, variant="spritesheet").content))
+    assert sheet.format == "JPEG" and sheet.size == (3 * 32, 3 * 32)  # 9 frames, 3 x 3
+    assert oai.videos.retrieve(video.id).status == "completed"
+    # The SDK's JSON-free form and a JSON body make the same kind of job; a key makes it once.
+    again = {"prompt": "a boat", "seconds": 1, "size": "32x32", **fast}
+    key = {"Idempotency-Key": "v-1", "Authorization": "Bearer video-key"}
+    keyed = [client.post(f"{prefix('tiny-wan')}/v1/videos", json=again, headers=key) for _ in range(2)]
+    assert keyed[0].status_code == 200 and keyed[0].json()["object"] == "video", keyed[0].text
+    assert keyed[1].json()["id"] == keyed[0].json()["id"]
+    page = oai.videos.list(limit=1)
+    assert [v.id for v in page.data] == [keyed[0].json()["id"]] and page.has_more
+    assert [v.id for v in oai.videos.list(limit=1, after=page.last_id).data] == [video.id]
+    assert video.id in [v.id for v in oai.videos.list(order="asc")]
+    other = OpenAI(base_url=oai.base_url, api_key="someone-else", max_retries=0)
+    with pytest.raises(openai.NotFoundError) as e:
+        other.videos.retrieve(video.id)
+    assert e.value.body["param"] == "video_id"
+    # A jobs-route job is not a video here, and a video is still a job there.
+    assert (
+        client.get(
+            f"{prefix('tiny-wan')}/v1/jobs/{video.id}", headers={"Authorization": "Bearer video-key"}
+        ).status_code
+        == 200
+    )
+    # Deleting: the finished one and its files; a running one is aborted first.
+    assert oai.videos.delete(video.id).deleted is True
+    with pytest.raises(openai.NotFoundError):
+        oai.videos.retrieve(video.id)
+    slow = oai.videos.create(prompt=f"a boat {SLOW_MARKER}", seconds="1", size="32x32",
+                             extra_body={**fast, "num_inference_steps": 40})  # fmt: skip
+    assert slow.status in ("queued", "in_progress")
+    assert oai.videos.delete(slow.id).deleted is True
+    with pytest.raises(openai.NotFoundError):
+        oai.videos.retrieve(slow.id)
+    # Bad input: a 400 naming the field, in OpenAI's error shape.
+    png = io.BytesIO()
+    Image.new("RGB", (32, 32), "red").save(png, format="PNG")
+    for kw, param in [
+        ({"input_reference": ("ref.png", png.getvalue(), "image/png")}, "input_reference"),
+        ({"seconds": "600"}, "seconds"),
+        ({"size": "33x32"}, "size"),
+        ({"extra_body": {"n": 2}}, "n"),
+        ({"model": "no-such-model"}, "model"),
+    ]:
+        with pytest.raises((openai.BadRequestError, openai.NotFoundError)) as e:
+            oai.videos.create(prompt="a boat", **{"size": "32x32", **kw})
+        assert e.value.body["param"] == param, (kw, e.value.body)
+    for ref in ({"file_id": "file-1"}, {"image_url": "https://example.com/a.png"}, "not base64!"):
+        r = client.post(f"{prefix('tiny-wan')}/v1/videos", json={"prompt": "a boat", "input_reference": ref})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "input_reference", r.text
+    sdxl = OpenAI(base_url=f"{base_url}{prefix('tiny-sdxl')}/v1", api_key="video-key", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        sdxl.videos.create(prompt="a boat")
+    assert e.value.body["param"] == "model" and "makes images" in e.value.body["message"]

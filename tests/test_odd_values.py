@@ -41,6 +41,7 @@ BASES: dict[str, dict[str, Any]] = {
     "/v1/images/generations/batch": {"prompts": ["a"], "num_inference_steps": 1},
     "/v1/images/edits": {"prompt": "a", "image": PNG, "num_inference_steps": 2, "strength": 0.5},
     "/v1/videos": {"prompt": "a"},
+    "/v1/videos/generations": {"prompt": "a"},
     "/sdapi/v1/txt2img": {"prompt": "a", "steps": 1},
     "/sdapi/v1/img2img": {"prompt": "a", "init_images": [PNG], "steps": 2, "denoising_strength": 0.5},
 }

@@ -7,6 +7,8 @@ that seed gives alone; a rollout whose window holds no step is the plain call, e
 
 from __future__ import annotations
 
+import base64
+import json
 import math
 
 import numpy as np
@@ -218,3 +220,63 @@ def test_handle_callers_get_the_tensors_as_raw_bytes_not_base64(handle):
     assert table.to_torch().shape == (2, 3) and table.to_torch().dtype == torch.float32
     step = r.trajectory.latents[0]
     assert len(step.data) == step.to_torch().numel() * step.to_torch().element_size()
+
+
+def test_http_callers_get_the_tensors_as_a_safetensors_or_npz_file_and_as_a_job_s_file(client):
+    """`Accept: application/vnd.safetensors` (or `application/x-npz`) answers one file: every
+    tensor as itself (no base64 JSON), the images as their bytes, the rest as JSON metadata; a
+    job that asked for a rollout keeps the same file (`tensors`, GET /v1/jobs/{id}/tensors)."""
+    import io
+
+    import httpx
+    from safetensors.numpy import load
+
+    from serve_app.formats.tensor_file import read_metadata
+    from serve_app.schemas import TensorPayload
+    from tests.test_jobs import finished
+
+    body = {"prompt": "a red circle", "seed": 7, "n": 2, "size": "32x32", "num_inference_steps": 3,
+            "rollout": {}, "return_latents": True}  # fmt: skip
+    plain = client.post("/v1/images/generations", json=body)
+    assert plain.status_code == 200, plain.text
+    r = client.post("/v1/images/generations", json=body, headers={"Accept": "application/vnd.safetensors"})
+    assert r.status_code == 200 and r.headers["content-type"] == "application/vnd.safetensors", r.text
+    assert r.headers["content-disposition"].endswith('.safetensors"')
+    tensors, meta = load(r.content), json.loads(read_metadata(r.content)["response"])
+    want = plain.json()["trajectory"]
+    assert np.array_equal(tensors["trajectory.log_probs"], TensorPayload(**want["log_probs"]).to_numpy())
+    assert tensors["trajectory.latents"].shape[:2] == (3, 2) and tensors["trajectory.log_probs"].shape == (
+        2,
+        3,
+    )
+    assert np.array_equal(tensors["trajectory.start"], TensorPayload(**want["start"]).to_numpy())
+    assert tensors["trajectory.timesteps"].tolist() == want["timesteps"] and "latents" in tensors
+    assert [tensors[f"images.{i}"].tobytes() for i in range(2)] == [
+        base64.b64decode(d["b64_json"]) for d in plain.json()["data"]
+    ]
+    assert meta["seeds"] == [7, 8] and "trajectory" not in meta and "images" not in meta, meta
+    npz = client.post("/v1/images/generations", json=body, headers={"Accept": "application/x-npz"})
+    with np.load(io.BytesIO(npz.content), allow_pickle=False) as f:
+        assert np.array_equal(f["trajectory.log_probs"], tensors["trajectory.log_probs"])
+        assert json.loads(str(f["response"]))["seeds"] == [7, 8]
+    streamed = client.post("/v1/images/generations", json={**body, "stream": True},
+                           headers={"Accept": "application/vnd.safetensors"})  # fmt: skip
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "Accept", streamed.text
+
+    job = client.post("/v1/images/generations", json=body, headers={"Prefer": "respond-async"}).json()
+    done = finished(client, job["id"])
+    assert done["state"] == "done" and done["tensors"]["content_url"].endswith("/tensors"), done
+    stored = client.get(done["tensors"]["content_url"])
+    assert stored.headers["content-type"] == "application/vnd.safetensors"
+    assert np.array_equal(load(stored.content)["trajectory.log_probs"], tensors["trajectory.log_probs"])
+    assert httpx.get(done["tensors"]["url"]).content == stored.content  # the signed link, without a key
+    as_npz = client.get(done["tensors"]["content_url"], headers={"Accept": "application/x-npz"})
+    with np.load(io.BytesIO(as_npz.content), allow_pickle=False) as f:
+        assert np.array_equal(f["images.0"], tensors["images.0"])
+    other = client.get(done["tensors"]["content_url"], headers={"Authorization": "Bearer other"})
+    assert other.status_code == 404  # another caller's key cannot read it
+    plain_job = client.post("/v1/images/generations", json={"prompt": "a red circle", "size": "32x32"},
+                            headers={"Prefer": "respond-async"}).json()  # fmt: skip
+    assert finished(client, plain_job["id"]).get("tensors") is None
+    none = client.get(f"/v1/jobs/{plain_job['id']}/tensors")
+    assert none.status_code == 404 and none.json()["error"]["param"] == "job_id", none.text

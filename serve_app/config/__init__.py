@@ -38,7 +38,8 @@ BUILTIN_PREFIX = "builtin:"
 # Names accepted after `builtin:`; the builders live in serve_app/engine/builtin.py.
 BUILTIN_MODELS = (
     "shapes", "tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-flux-kontext", "tiny-wan",
-    "sd15-arch", "sdxl-arch", "flux-arch",
+    "tiny-qwen-image", "tiny-qwen-image-edit", "tiny-z-image", "tiny-flux2-klein", "tiny-wan-i2v",
+    "tiny-ltx", "tiny-hunyuan-video", "sd15-arch", "sdxl-arch", "flux-arch",
 )  # fmt: skip
 
 
@@ -285,6 +286,13 @@ class Limits(_Strict):
     max_steps: int = Field(100, ge=1, description="Upper bound on denoising steps (and on lists in `extra`).")
     max_images: int = Field(8, ge=1, description="Upper bound on `n` (images per prompt).")
     max_frames: int = Field(129, ge=1, description="Upper bound on `num_frames` of a video model.")
+    max_input_images: int = Field(
+        4,
+        ge=1,
+        le=16,
+        description="Upper bound on an edit's images, the reference images of models that take "
+        "several (each within max_pixels and max_side).",
+    )
     max_prompts: int = Field(16, ge=1, description="Upper bound on prompts in one batch request.")
     max_prompt_chars: int = Field(4000, ge=1, description="Upper bound on the characters of a prompt.")
     max_guidance_scale: float = Field(50.0, ge=0, description="Upper bound on `guidance_scale`.")

@@ -19,13 +19,16 @@ from serve_app.engine import dora, lycoris
 from serve_app.engine.loading import denoiser_name, find_denoiser
 from serve_app.engine.row_lora import apply_row_adapters
 from serve_app.engine.types import CallParams, LoraError, Row
+from serve_app.registries import PUSHED_DIR
 
 # Adapters in force: (name, scale) each, in name order, no scale 0; None for the base model.
 ActiveSet = tuple[tuple[str, float], ...] | None
 
 
 def loaded_adapters(pipe) -> list[str]:
-    """The names of the adapters installed in `pipe`."""
+    """The names of the adapters installed in `pipe` (none where it takes none)."""
+    if not hasattr(pipe, "get_list_adapters"):
+        return []
     return sorted({n for names in pipe.get_list_adapters().values() for n in names})
 
 
@@ -53,7 +56,8 @@ def read_adapter(pipe, path: str) -> dict[str, torch.Tensor]:
     ups = {k: v for k, v in state.items() if _UP_WEIGHT.search(k)}
     if not ups:
         raise LoraError(f"{path}: no LoRA weights in it (no lora up/B tensors)")
-    if all(float(v.abs().max()) == 0 for v in ups.values()):
+    # A trainer's first version is commonly all zero (the base policy): pushed ones may be.
+    if PUSHED_DIR not in Path(path).parts and all(float(v.abs().max()) == 0 for v in ups.values()):
         raise LoraError(f"{path}: every LoRA up/B weight is zero; it would change no layer")
     modules = {_UP_WEIGHT.sub("", k) for k in ups}
     for module, m in dora.split(state)[1].items():

@@ -8,7 +8,8 @@
 * The others have seeded random weights. `tiny-sd`: a Stable-Diffusion-shaped pipeline small
   enough to build in well under a second and run on a CPU; the shared test app's model, so
   every layer above it is exercised for real.
-* `tiny-sdxl`, `tiny-sd3`, `tiny-flux`, `tiny-wan`: twins of the other families at the same
+* `tiny-sdxl`, `tiny-sd3`, `tiny-flux`, `tiny-wan` (and the newer families' in `twins_image`,
+  `twins_video`): twins of the other families at the same
   scale, each with the parts that make its family different (SDXL: two CLIP encoders, pooled
   embeddings and size conditioning; SD3: an MMDiT transformer, two CLIP encoders and a T5;
   FLUX: packed sequence latents, CLIP + T5 and a guidance embedding; Wan: a text-to-video
@@ -27,6 +28,7 @@ from __future__ import annotations
 import functools
 import json
 import tempfile
+from importlib import import_module
 from pathlib import Path
 
 import torch
@@ -454,6 +456,11 @@ def add_grid_positions(unet) -> None:
         module.register_forward_pre_hook(note_size, with_kwargs=True)
 
 
+def _twin(module: str, name: str):
+    """`twins_image` or `twins_video`'s builder of `name` (they import this module: imported late)."""
+    return lambda: getattr(import_module(f"serve_app.engine.{module}"), "_" + name.replace("-", "_"))()
+
+
 TRAINED = ("shapes",)
 BUILDERS = {
     "shapes": load_shapes,
@@ -463,6 +470,9 @@ BUILDERS = {
     "tiny-flux": _tiny_flux,
     "tiny-flux-kontext": _tiny_flux_kontext,
     "tiny-wan": _tiny_wan,
+    **{n: _twin("twins_image", n) for n in ("tiny-qwen-image", "tiny-qwen-image-edit", "tiny-z-image")},
+    "tiny-flux2-klein": _twin("twins_image", "tiny-flux2-klein"),
+    **{n: _twin("twins_video", n) for n in ("tiny-wan-i2v", "tiny-ltx", "tiny-hunyuan-video")},
     "sd15-arch": _sd15_arch,
     "sdxl-arch": _sdxl_arch,
     "flux-arch": _flux_arch,

@@ -21,6 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from PIL import Image
 
 from serve_app.config import ModelConfig
 from serve_app.engine import dora
@@ -199,6 +200,8 @@ class DiffusionEngine:
             "inputs": fam.inputs()
             + (["image"] if {"img2img", "edit"} & set(self.tasks) else [])
             + (["mask"] if "inpaint" in self.tasks else []),
+            "takes_guidance": fam.guidance,
+            "reference_images": fam.image_input == "references",
             "embeds_dim": fam.embeds_dim,
             "embeds_tokens": fam.embeds_tokens,
             "pooled_dim": fam.pooled_dim,
@@ -322,13 +325,16 @@ class DiffusionEngine:
 
     def warmup(self) -> None:
         t = time.perf_counter()
+        task = self.tasks[0]  # "generate"; "edit" for a model that starts from an image
         params = CallParams(
             height=self.default_height,
             width=self.default_width,
             steps=self.cfg.warmup_steps,
             guidance_scale=self.cfg.default_guidance_scale,
+            task=task,
         )
-        self.run([Row("warm-up", None, 0)], params)
+        image = None if task == "generate" else Image.new("RGB", (params.width, params.height), "gray")
+        self.run([Row("warm-up", None, 0, image=image)], params)
         logger.info("warm-up took %.2fs", time.perf_counter() - t)
 
     def run(self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None = None) -> EngineOutput:

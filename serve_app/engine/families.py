@@ -24,6 +24,24 @@ _LABELS = {
     "FluxPipeline": "flux",
     "FluxKontextPipeline": "flux",
     "WanPipeline": "wan",
+    "WanImageToVideoPipeline": "wan",
+    "QwenImagePipeline": "qwen-image",
+    "QwenImageEditPlusPipeline": "qwen-image",
+    "ZImagePipeline": "z-image",
+    "Flux2KleinPipeline": "flux2",
+    "LTXPipeline": "ltx",
+    "HunyuanVideo15Pipeline": "hunyuan-video",
+}
+
+
+# How a pipeline's `image` argument holds a call's images: a list of one per row ("rows", the
+# default), the reference images of one prompt ("references"), or one image ("one", Wan's
+# image-to-video). The last two make an edit call one row.
+_IMAGE_INPUT = {
+    "QwenImageEditPlusPipeline": "references",
+    "Flux2KleinPipeline": "references",
+    "Flux2Pipeline": "references",
+    "WanImageToVideoPipeline": "one",
 }
 
 
@@ -39,14 +57,22 @@ class Family:
     packed_latents: bool  # latents travel as a (batch, tokens, channels) sequence between steps
     frame_rule: tuple[int, int] | None = None  # video: frames must be (a * k + b), as (a, b)
     default_frames: int | None = None
+    negative: bool = True  # the call takes `negative_prompt` (FLUX.2 [klein], distilled: not)
+    guidance: bool = True  # the call takes `guidance_scale` (HunyuanVideo 1.5: a guider component)
+    image_input: Literal["rows", "references", "one"] = "rows"
 
     def inputs(self) -> list[str]:
-        out = ["prompt", "negative_prompt"]
+        out = ["prompt"] + (["negative_prompt"] if self.negative else [])
         if self.embeds_dim is not None:
             out.append("prompt_embeds")
         if self.pooled_dim is not None:
             out.append("pooled_prompt_embeds")
         return out
+
+
+def _by_class(pipe: Any, table: dict[str, Any], default: Any) -> Any:
+    """`table`'s value for the pipeline's class or the nearest base class it names."""
+    return next((table[c.__name__] for c in type(pipe).__mro__ if c.__name__ in table), default)
 
 
 def _setting(module: Any, key: str) -> Any:
@@ -74,12 +100,16 @@ def describe_pipeline(pipe: Any, denoiser: torch.nn.Module) -> Family:
         pooled_dim = _setting(denoiser, "pooled_projection_dim") or _setting(enc2, "projection_dim")
     frame_rule = default_frames = None
     if video:
-        temporal = getattr(pipe, "vae_scale_factor_temporal", 1) or 1
+        temporal = (  # LTX names it otherwise
+            getattr(pipe, "vae_scale_factor_temporal", None)
+            or getattr(pipe, "vae_temporal_compression_ratio", 1)
+            or 1
+        )
         frame_rule = (int(temporal), 1)  # frames = temporal * k + 1
         default = getattr(pipe, "native_num_frames", None) or params["num_frames"].default
         default_frames = default if isinstance(default, int) else int(temporal) + 1
     return Family(
-        name=_LABELS.get(type(pipe).__name__, type(pipe).__name__),
+        name=_by_class(pipe, _LABELS, type(pipe).__name__),
         modality="video" if video else "image",
         count_arg=count_arg,
         output_attr="frames" if video else "images",
@@ -89,6 +119,9 @@ def describe_pipeline(pipe: Any, denoiser: torch.nn.Module) -> Family:
         packed_latents=hasattr(type(pipe), "_unpack_latents"),
         frame_rule=frame_rule,
         default_frames=default_frames,
+        negative="negative_prompt" in params,
+        guidance="guidance_scale" in params,
+        image_input=_by_class(pipe, _IMAGE_INPUT, "one" if video and "image" in params else "rows"),
     )
 
 

@@ -265,14 +265,22 @@ def offered_accelerations(denoiser: torch.nn.Module, cache_blocks: list[str], op
     return levels
 
 
+# Pipelines whose signature says `image` is optional but whose call needs one.
+_NEEDS_IMAGE = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline")
+
+
 def derived_pipelines(pipe) -> dict[str, Any]:
     """The pipeline of each task this model can do, all sharing the loaded modules (diffusers'
     `from_pipe`: no second copy of any weight). A pipeline that takes an image itself (an
     instruction-edit model) does its edits; others get image-to-image and inpainting."""
     from diffusers import AutoPipelineForImage2Image, AutoPipelineForInpainting
 
+    image = inspect.signature(pipe.__call__).parameters.get("image")
+    needs = any(c.__name__ in _NEEDS_IMAGE for c in type(pipe).__mro__)
+    if image is not None and (needs or image.default is inspect.Parameter.empty):
+        return {"edit": pipe}  # it starts from an image (Wan's image-to-video): nothing else
     out = {"generate": pipe}
-    if "image" in inspect.signature(pipe.__call__).parameters:
+    if image is not None:
         out["edit"] = pipe
     for task, auto in (("img2img", AutoPipelineForImage2Image), ("inpaint", AutoPipelineForInpainting)):
         if task == "img2img" and "edit" in out:

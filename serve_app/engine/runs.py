@@ -145,6 +145,8 @@ class Runner:
         its own, and leaves the paused call's record as it found it."""
         if not rows:
             raise ValueError("run() needs at least one row")
+        if self.family.image_input != "rows" and params.task != "generate" and len(rows) > 1:  # a row a call
+            return EngineOutput.concat([self.whole([r], params, step_hook, adapters, inside) for r in rows])
         st = _CallState(t0=time.perf_counter())
         pipe = self._scheduled(self.task_pipes[params.task], params, rows, own=inside)
         if params.rollout is not None:
@@ -221,19 +223,24 @@ class Runner:
         """Call `pipe` over `rows` with `cache` as its step cache, keeping time and steps in `st`."""
         st.total = params.steps
         kwargs = self._inputs(rows, params)
+        if self.family.guidance:  # else the pipeline's guider component guides
+            kwargs["guidance_scale"] = params.guidance_scale
         gen_device = params.generator_device or self.device
         generators = [torch.Generator(gen_device).manual_seed(r.seed) for r in rows]
+        on_step_end = self._step_end(params, step_hook, cache, st)
+        if "callback_on_step_end" in self.accepts[params.task]:
+            kwargs.update(callback_on_step_end=on_step_end, callback_on_step_end_tensor_inputs=["latents"])
+        else:  # a pipeline without step callbacks (HunyuanVideo 1.5): its scheduler calls it
+            pipe = copy.copy(pipe)
+            pipe.__dict__["scheduler"] = _CallingScheduler(pipe.scheduler, pipe, on_step_end)
         try:
             out = pipe(
                 **kwargs,
                 height=params.height,
                 width=params.width,
                 num_inference_steps=params.steps,
-                guidance_scale=params.guidance_scale,
                 generator=generators,
                 output_type="pil",
-                callback_on_step_end=self._step_end(params, step_hook, cache, st),
-                callback_on_step_end_tensor_inputs=["latents"],
                 **dict(params.extra),
             )
             made = getattr(out, self.family.output_attr)
@@ -298,6 +305,8 @@ class Runner:
         """The call's text arguments: prompts, or precomputed embeddings (every row or none)."""
         if rows[0].prompt_embeds is None:
             negatives = [r.negative_prompt for r in rows]
+            if not self.family.negative:  # the ingress refuses one for such a model
+                return {"prompt": [r.prompt for r in rows]}
             return {
                 "prompt": [r.prompt for r in rows],
                 "negative_prompt": None
@@ -314,9 +323,16 @@ class Runner:
                 out[name] = torch.cat(parts).to(**cast)
         return out
 
-    @staticmethod
-    def _image_inputs(rows: Sequence[Row], params: CallParams, accepts: frozenset[str]) -> dict[str, Any]:
-        out: dict[str, Any] = {"image": [r.image for r in rows]}
+    def _image_inputs(
+        self, rows: Sequence[Row], params: CallParams, accepts: frozenset[str]
+    ) -> dict[str, Any]:
+        kind, first = self.family.image_input, rows[0]
+        images = {
+            "rows": [r.image for r in rows],
+            "one": first.image,
+            "references": [first.image, *first.references],
+        }
+        out: dict[str, Any] = {"image": images[kind]}
         if params.task == "inpaint":
             out["mask_image"] = [r.mask for r in rows]
         if params.strength is not None and "strength" in accepts:
@@ -442,3 +458,26 @@ class JoinedRun:
             self.batch.close()
         finally:
             self._restore()
+
+
+class _CallingScheduler:
+    """A call's scheduler that calls the step-end callback after each of its steps, with the
+    step's result as the latents: the step hooks (events, previews, abort, trajectories) of a
+    pipeline whose call takes no `callback_on_step_end`. Anything else is the scheduler's own."""
+
+    def __init__(self, inner, pipe, callback):
+        self.__dict__.update(inner=inner, pipe=pipe, callback=callback, steps=0)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name, value):
+        setattr(self.inner, name, value)
+
+    def step(self, model_output, timestep, sample, *args, **kwargs):
+        out = self.inner.step(model_output, timestep, sample, *args, **kwargs)
+        latents = out[0] if isinstance(out, tuple) else out.prev_sample
+        i = self.__dict__["steps"]
+        self.__dict__["steps"] = i + 1
+        self.callback(self.pipe, i, timestep, {"latents": latents})
+        return out

@@ -67,6 +67,7 @@ class Row:
     negative_pooled_prompt_embeds: torch.Tensor | None = None
     adapters: tuple[tuple[str, float], ...] = ()  # this row's adapters, when rows differ (see run)
     image: Any = None  # the input image (PIL, RGB) of img2img, inpaint and edit rows
+    references: tuple[Any, ...] = ()  # more images of the row's prompt (reference-image models)
     mask: Any = None  # inpaint: PIL "L", white where to paint
 
 

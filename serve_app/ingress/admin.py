@@ -18,7 +18,7 @@ from serve_app.ingress.core import Core, CoreDep
 from serve_app.ingress.failures import not_ready
 from serve_app.ingress.models import ServedModel
 from serve_app.ingress.openapi import ADMIN, ERRORS
-from serve_app.registries import check_name
+from serve_app.registries import PUSHED_DIR, check_name
 from serve_app.schemas import LoraAdd, LoraPin, Outcome, ProfileStart, RpcCall
 from serve_app.schemas.control import TRACE_PREFIX_REGEX
 
@@ -58,7 +58,6 @@ async def add_lora(
 
 logger = logging.getLogger(__name__)
 
-PUSHED_DIR = ".pushed"  # under the first adapter root: where pushed versions are kept
 PUSHED_KEPT = 16  # versions of one pushed adapter kept on disk (queued requests may name older ones)
 PUSH_LOAD_S = 300.0  # how long a push waits for every replica to load it (each between two calls)
 
@@ -100,7 +99,8 @@ async def push_lora(
                 f"weights: not written as safetensors ({type(e).__name__})", param="weights"
             ) from None
         err = core.call_error(e, name, [], served.name) or not_ready(served.label)
-        err.param, err.message = "weights", err.message.replace(str(staged), f"{name} (pushed)")
+        shown = err.message.removeprefix("path: ").replace(str(staged), f"{name} (pushed)")
+        err.param, err.message = "weights", f"weights: {shown}"
         raise err from None
 
     def claim(last: int) -> tuple[int, str]:  # under the registry's lock

@@ -96,6 +96,34 @@ def check_limits(req: GenerationParams, limits: Limits, prompts: list[str]) -> N
             )
 
 
+def check_inputs(
+    req: GenerationRequest | BatchGenerationRequest, info: ModelDescription, limits: Limits
+) -> None:
+    """What the model's pipeline call takes: a negative prompt, a guidance scale, a text-only
+    request (one that starts from an image does not), several images (reference-image models)."""
+    refs = getattr(req, "references", [])
+    if refs and not info.reference_images:
+        raise InvalidRequest(
+            f"image: {1 + len(refs)} images; {info.model} ({info.pipeline}) takes one", param="image"
+        )
+    if 1 + len(refs) > limits.max_input_images:
+        raise InvalidRequest(
+            f"image: {1 + len(refs)} images; at most {limits.max_input_images} (limits.max_input_images)",
+            param="image",
+        )
+    if req.negative_prompt is not None and "negative_prompt" not in info.inputs:
+        raise InvalidRequest(
+            f"negative_prompt: {info.model} ({info.pipeline}) takes none", param="negative_prompt"
+        )
+    if req.guidance_scale is not None and not info.takes_guidance:
+        raise InvalidRequest(
+            f"guidance_scale: {info.model} ({info.pipeline}) is guided by its guider, not per request",
+            param="guidance_scale",
+        )
+    if req.image is None and "generate" not in info.tasks:
+        raise InvalidRequest(f"image: {info.model} ({info.pipeline}) starts from an image", param="image")
+
+
 def edit_task(req: GenerationRequest | BatchGenerationRequest, info: ModelDescription) -> str:
     """Which task an image request is for this model: inpainting with a mask, else the model's
     own instruction edit if it is an edit model, else image-to-image."""
@@ -196,7 +224,7 @@ async def read_edit_body(request: Request) -> dict[str, Any]:
     ctype = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if ctype in ("multipart/form-data", "application/x-www-form-urlencoded"):
         try:
-            form = await request.form(max_files=4, max_fields=64)
+            form = await request.form(max_files=17, max_fields=64)  # 16 images (schema) and a mask
         except Exception as e:  # a malformed form: starlette raises several types
             why = type(e).__name__
             raise InvalidRequest(f"body: not a readable multipart form ({why})", param="body") from None

@@ -23,6 +23,7 @@ from serve_app.errors import DeadlineExceeded, InvalidRequest, ServingError, Una
 from serve_app.ingress.access import AccessPolicy, servable
 from serve_app.ingress.checks import (
     check_edit_steps,
+    check_inputs,
     check_limits,
     check_media,
     check_sampler,
@@ -30,7 +31,7 @@ from serve_app.ingress.checks import (
     validated,
 )
 from serve_app.ingress.failures import backoff, call_error, gave_up, not_ready
-from serve_app.ingress.inputs import prepare_inputs
+from serve_app.ingress.inputs import open_references, prepare_inputs
 from serve_app.ingress.models import Models, ServedModel
 from serve_app.ingress.result_cache import ResultCache
 from serve_app.ingress.tenants import Tenants
@@ -118,7 +119,8 @@ class Core:
                 "return_trajectory_decoded: an image model's (a video's steps are not decoded)",
                 param="return_trajectory_decoded",
             )
-        task, image, mask = "generate", None, None
+        check_inputs(request, info, limits)
+        task, image, mask, refs = "generate", None, None, []
         if request.image is not None:
             task = edit_task(request, info)
             rgb, m, width, height = await asyncio.to_thread(
@@ -127,6 +129,7 @@ class Core:
             request = request.model_copy(update={"width": width, "height": height})
             check_limits(request, limits, request.prompts)  # the size it took from the image
             image, mask = PixelPayload.from_pil(rgb), PixelPayload.from_pil(m) if m is not None else None
+            refs = await asyncio.to_thread(open_references, getattr(request, "references", []), limits)
         elif request.strength is not None:
             raise InvalidRequest("strength: only an edit (with an image) takes it", param="strength")
         prepared = PreparedRequest.from_request(
@@ -144,6 +147,7 @@ class Core:
             task=task,
             image=image,
             mask=mask,
+            references=[PixelPayload.from_pil(r) for r in refs],
             acceleration=model.optimizations.step_cache,
             sampler=sampler,
             model=served.name,

@@ -11,13 +11,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from serve_app.errors import InvalidRequest, NotFound, ServingError
-from serve_app.ingress import a1111, admin, checkpoints, images, jobs, ops, requests
+from serve_app.ingress import a1111, admin, checkpoints, images, jobs, ops, requests, videos
 from serve_app.ingress.access import BodyLimit, check_api_key, error_response
 from serve_app.ingress.checks import validation_to_error
 from serve_app.ingress.failures import not_ready
 from serve_app.ingress.openapi import document
 from serve_app.ingress.proxy import RequestIdGuard
-from serve_app.schemas import ImagesEditRequest
+from serve_app.schemas import ImagesEditRequest, VideosGenerationRequest
 
 logger = logging.getLogger("ray.serve")
 
@@ -50,7 +50,14 @@ def allowed_methods(request: Request) -> list[str]:
     """The methods some route of the app takes at this request's path (each route matches a
     method in full, whatever the nesting of routers); HEAD wherever GET is (`HeadAsGet`)."""
     routes = request.app.router.routes
-    methods = {
+    # A path that is some route's own (no parameters) is that resource, as OpenAPI matches
+    # concrete paths before templated ones: /v1/videos/generations is no video's id.
+    own = [
+        r
+        for r in _flat(routes)
+        if not getattr(r, "param_convertors", True) and r.matches(request.scope)[0] != Match.NONE
+    ]
+    methods = {m for r in own for m in getattr(r, "methods", ())} or {
         m
         for m in _METHODS
         if any(route.matches({**request.scope, "method": m})[0] == Match.FULL for route in routes)
@@ -58,6 +65,13 @@ def allowed_methods(request: Request) -> list[str]:
     if "GET" in methods:
         methods.add("HEAD")
     return sorted(methods)
+
+
+def _flat(routes):
+    """Every route, those of included routers too (FastAPI keeps them nested)."""
+    for r in routes:
+        inner = getattr(r, "original_router", None)
+        yield from _flat(inner.routes) if inner is not None else (r,)
 
 
 class HeadAsGet:
@@ -118,7 +132,7 @@ def make_app() -> FastAPI:
         (Exception, _unexpected),
     ):
         fastapi_app.add_exception_handler(exc_type, handler)
-    for module in (images, requests, admin, checkpoints, ops, jobs, a1111):
+    for module in (images, videos, requests, admin, checkpoints, ops, jobs, a1111):
         fastapi_app.include_router(module.router)
-    document(fastapi_app, ImagesEditRequest)
+    document(fastapi_app, ImagesEditRequest, VideosGenerationRequest)
     return fastapi_app

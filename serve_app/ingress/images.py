@@ -2,6 +2,7 @@
 videos. Each parses its body, and `generate` does the rest the same way for all of them:
 the answer as JSON, as a stream, or as an asynchronous job."""
 
+import asyncio
 import contextlib
 
 from fastapi import APIRouter, Request
@@ -9,6 +10,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
 
 from serve_app.errors import InvalidRequest
+from serve_app.formats import tensor_file
 from serve_app.ingress import present
 from serve_app.ingress.checks import FORM_JSON, read_edit_body, validated, validation_to_error
 from serve_app.ingress.core import Core, CoreDep
@@ -61,15 +63,23 @@ async def images_edits(request: Request, core: CoreDep, desk: DeskDep) -> Respon
     return await generate(core, desk, edit, request, "images.edits", "image_edit")
 
 
-@router.post("/v1/videos", response_model=ImagesResponse | Job, responses=IMAGE_RESPONSES)
+@router.post("/v1/videos/generations", response_model=ImagesResponse | Job, responses=IMAGE_RESPONSES)
 async def videos_generations(
     body: VideosGenerationRequest,
     http: Request,
     core: CoreDep,
     desk: DeskDep,
 ) -> Response:
-    """A video model's video, answered when it is made (or streamed, like images)."""
-    info = await core.models.find(body.model)[0].describe()
+    """A video model's video, answered when it is made (or streamed, like images); OpenAI's
+    video jobs are `POST /v1/videos` (videos.py)."""
+    return await generate(core, desk, await video_body(core, body), http, "videos")
+
+
+async def video_body(core: Core, body: VideosGenerationRequest) -> VideosGenerationRequest:
+    """A video route's body checked against its model: a video model; `input_reference` only
+    for one that starts from an image; `seconds` as frames at the model's rule and `fps`."""
+    served = core.models.find(body.model)[0]
+    info, most = await served.describe(), served.spec.limits.max_frames
     if info.modality != "video":
         raise InvalidRequest(
             f"model: {info.model} makes images; use POST /v1/images/generations", param="model"
@@ -79,12 +89,39 @@ async def videos_generations(
             "partial_images: OpenAI's image stream is for images; a video streams step events",
             param="partial_images",
         )
+    if body.input_reference is None and "generate" not in info.tasks:
+        raise InvalidRequest(
+            f"input_reference: {info.model} makes video from an image; send the image to start from",
+            param="input_reference",
+        )
+    if body.input_reference is not None and "edit" not in info.tasks:
+        raise InvalidRequest(
+            f"input_reference: {info.model} makes video from text only; an image-to-video model "
+            "takes an image to start from",
+            param="input_reference",
+        )
     if body.seconds is not None and body.num_frames is None:
         a, b = info.frame_rule or (1, 0)
         fps = body.fps or info.default_fps or 16
         k = max(1, round((body.seconds * fps - b) / a))
+        if a * k + b > most:
+            raise InvalidRequest(
+                f"seconds: {body.seconds:g} s at {fps} fps is {a * k + b} frames; this model makes at "
+                f"most {most} (limits.max_frames)",
+                param="seconds",
+            )
         body = body.model_copy(update={"num_frames": a * k + b, "fps": fps})
-    return await generate(core, desk, body, http, "videos")
+    return body
+
+
+def request_of(core: Core, body, http: Request):
+    """The Python API request of an OpenAI-style body, counted against the caller's tenant."""
+    core.models.find(body.model)  # an unknown model is a 404 before anything else is looked at
+    try:
+        request = body.to_generation_request()
+    except ValueError as e:  # pydantic ValidationError is a ValueError
+        raise validation_to_error(e.errors()) from None
+    return request.model_copy(update={"tenant": core.tenant_of(http)})
 
 
 async def generate(
@@ -92,12 +129,7 @@ async def generate(
 ) -> Response:
     """An OpenAI-style body answered: as a job with `Prefer: respond-async`, else as events
     with `stream`, else as one JSON body."""
-    core.models.find(body.model)  # an unknown model is a 404 before anything else is looked at
-    try:
-        request = body.to_generation_request()
-    except ValueError as e:  # pydantic ValidationError is a ValueError
-        raise validation_to_error(e.errors()) from None
-    request = request.model_copy(update={"tenant": core.tenant_of(http)})
+    request = request_of(core, body, http)
     if prefers_async(http):
         return await desk.submit(body, request, http, route)
     for name in ("webhook", "webhook_events"):
@@ -106,6 +138,12 @@ async def generate(
                 f"{name}: only an asynchronous job calls a webhook (send 'Prefer: respond-async')",
                 param=name,
             )
+    tensors = tensor_file.wanted(http.headers.get("accept"))
+    if tensors is not None and body.stream:
+        raise InvalidRequest(
+            f"Accept: a tensor file ({tensors}) answers a whole request; it cannot be streamed",
+            param="Accept",
+        )
     base = desk.links.base_url(http)
     # Prepared here, once: bad input gets its 400 before a stream opens, and the request
     # is its caller's (only they, or the admin, may read its state or abort it).
@@ -135,8 +173,13 @@ async def generate(
     result = await core.submit(request, cache="no-cache" not in http.headers.get("cache-control", "").lower())
     # Serve's proxy sets the X-Request-Id response header to its own request id, which is
     # ours unless the body chose another one.
+    headers = {"X-Cache": result.metrics.cache} if result.metrics.cache else {}
+    if tensors is not None:  # the images go in the file; none is stored for a link
+        name = f"{result.request_id}.{tensor_file.suffix(tensors)}"
+        headers["Content-Disposition"] = f'attachment; filename="{name}"'
+        data = await asyncio.to_thread(tensor_file.encode, result, tensors)
+        return Response(data, media_type=tensors, headers=headers)
     urls = await desk.links.urls(result, body.response_format, base)
-    headers = {"X-Cache": result.metrics.cache} if result.metrics.cache else None
     return JSONResponse(present.images_response(result, urls, request), headers=headers)
 
 

@@ -86,6 +86,12 @@ def output_size(im: Image.Image, limits: Limits) -> tuple[int, int]:
     return max(8, int(w * scale) // 8 * 8), max(8, int(h * scale) // 8 * 8)
 
 
+def open_references(images: list[bytes], limits: Limits) -> list[Any]:
+    """An edit's reference images after the first, decoded and checked (each within the limits),
+    as RGB at their own sizes: the pipeline fits them itself."""
+    return [to_rgb(open_image(data, "image", limits)) for data in images]
+
+
 def prepare_inputs(
     image: bytes, mask: bytes | None, width: int | None, height: int | None, limits: Limits
 ) -> tuple[Any, Any, int, int]:

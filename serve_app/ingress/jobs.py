@@ -12,14 +12,15 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from serve_app.errors import Conflict, Forbidden, InvalidRequest, NotFound, Overloaded, ServingError
+from serve_app.formats import tensor_file
 from serve_app.ingress import sse
 from serve_app.ingress.access import servable
 from serve_app.ingress.core import Core
 from serve_app.ingress.links import Links
-from serve_app.ingress.openapi import ERRORS, FILE_RESPONSES
+from serve_app.ingress.openapi import ERRORS, FILE_RESPONSES, TENSOR_RESPONSES
 from serve_app.ingress.requests import request_status
 from serve_app.jobs import JobRunner, Store, body_hash, job_id_for, new_job_request_id, signature_ok, webhooks
-from serve_app.schemas import DeletedJob, Job, JobList, JobRecord, WebhookDelivery
+from serve_app.schemas import DeletedJob, Job, JobList, JobRecord, VideoJob, WebhookDelivery
 
 _EVENTS_MAX_S = 600  # one job event stream; then the client reconnects
 JOB_ID = re.compile(r"job_[0-9a-f]{32}")
@@ -48,6 +49,14 @@ class JobDesk:
     async def submit(self, body, request, http: Request, route: str) -> JSONResponse:
         """`Prefer: respond-async`: check and prepare now (bad input still gets its 400), store
         the job, answer 202 with it; the job runs on without the connection."""
+        return self.response(*await self.enqueue(body, request, http, route))
+
+    async def enqueue(
+        self, body, request, http: Request, route: str, video: bool = False
+    ) -> tuple[JobRecord, int]:
+        """A job made and started (or the one its idempotency key made), with its status code:
+        200 once it ended within `Prefer: wait=N`, else 202. `video`: it keeps what OpenAI's
+        `Video` shows (`VideoJob`)."""
         self.runner.start()
         hook = self._webhook(body)
         key = http.headers.get("idempotency-key")
@@ -57,21 +66,21 @@ class JobDesk:
         job_id = job_id_for(key, caller)
         digest = body_hash({"route": route, **body.model_dump(mode="json")})
         if key is not None and (existing := await asyncio.to_thread(self.store.load_job, job_id)):
-            return self._same_job(existing, digest)
+            return self._same_job(existing, digest), 200
         self._check_room(caller)
         with self.runner.admission(
             caller, request.tenant or ""
         ):  # counted from the check on (no await between): bursts too
             base = self.links.base_url(http)
-            job = await self._admit(request, route, hook, caller, job_id, digest, base)
+            job = await self._admit(request, route, hook, caller, job_id, digest, base, video)
         if job is None:  # the same key, sent twice at once
-            return self._same_job(await asyncio.to_thread(self.store.load_job, job_id), digest)
+            return self._same_job(await asyncio.to_thread(self.store.load_job, job_id), digest), 200
         # `Prefer: wait=N` (RFC 7240): a job that ends within N seconds is answered ended (200).
         end = time.monotonic() + _prefer_wait(http)
         while not job.finished and (left := end - time.monotonic()) > 0:
             await self.runner.watch(job_id, left)
             job = await self.current(job_id) or job
-        return self.response(job, 200 if job.finished else 202)
+        return job, 200 if job.finished else 202
 
     def _webhook(self, body) -> WebhookDelivery | None:
         if body.stream:
@@ -86,7 +95,7 @@ class JobDesk:
         return None
 
     async def _admit(
-        self, request, route: str, hook, caller: str, job_id: str, digest: str, base_url: str
+        self, request, route: str, hook, caller: str, job_id: str, digest: str, base_url: str, video=None
     ) -> JobRecord | None:
         """Prepare the job's request (bad input still gets its 400) and store and start the job;
         None if a job with its id exists already."""
@@ -118,6 +127,7 @@ class JobDesk:
             base_url=base_url,
             body_hash=digest,
             tenant=prepared.tenant,
+            video=_video_job(prepared) if video else None,
         )
         return await self.runner.submit(job, prepared)
 
@@ -138,13 +148,13 @@ class JobDesk:
                 retry_after_s=retry,
             )
 
-    def _same_job(self, existing: JobRecord, digest: str) -> JSONResponse:
+    def _same_job(self, existing: JobRecord, digest: str) -> JobRecord:
         """An idempotency key sent again: the job it made, if the body is the same."""
         if existing.body_hash != digest:
             raise Conflict(
                 "Idempotency-Key: this key was used for another request body", param="Idempotency-Key"
             )
-        return self.response(existing, 200)
+        return existing
 
     def response(self, job: JobRecord, status: int) -> JSONResponse:
         headers = {"Location": f"{job.base_url}/v1/jobs/{job.id}", "Preference-Applied": "respond-async"}
@@ -156,18 +166,18 @@ class JobDesk:
         """The job as this ingress holds it, else as the store has it."""
         return self.runner.jobs.get(job_id) or await asyncio.to_thread(self.store.load_job, job_id)
 
-    async def find(self, job_id: str, http: Request) -> JobRecord:
-        """The caller's job (404 for another caller's: its existence is not told)."""
+    async def find(
+        self, job_id: str, http: Request, param: str = "job_id", route: str | None = None
+    ) -> JobRecord:
+        """The caller's job (404 for another caller's: its existence is not told); with `route`,
+        only a job made by that route."""
         self.runner.start()
         if not JOB_ID.fullmatch(job_id):
-            raise NotFound(
-                f"job_id: no job {job_id[:80]!r}: job ids look like job_<32 hex digits>", param="job_id"
-            )
+            raise NotFound(f"{param}: no job {job_id[:80]!r}: ids look like job_<32 hex digits>", param=param)
         job = await self.current(job_id)
-        if job is None or job.caller != self.core.caller(http):
+        if job is None or job.caller != self.core.caller(http) or route not in (None, job.route):
             raise NotFound(
-                f"job_id: no job {job_id!r} (finished jobs are kept {self.cfg.retention_s:g}s)",
-                param="job_id",
+                f"{param}: no job {job_id!r} (finished jobs are kept {self.cfg.retention_s:g}s)", param=param
             )
         return job
 
@@ -200,6 +210,11 @@ class JobDesk:
             current = await self.current(job.id)
             if current is None:
                 return
+
+
+def _video_job(prepared) -> VideoJob:
+    seconds = f"{prepared.num_frames / prepared.fps:.3g}" if prepared.num_frames and prepared.fps else "0"
+    return VideoJob(prompt=prepared.prompts[0], seconds=seconds, size=f"{prepared.width}x{prepared.height}")
 
 
 async def get_desk() -> JobDesk:
@@ -267,6 +282,27 @@ async def job_content(job_id: str, index: int, http: Request, desk: DeskDep) -> 
     if found is None:
         raise _gone()
     return Response(found[0], media_type=found[1])
+
+
+@router.get("/v1/jobs/{job_id}/tensors", response_class=Response, responses=TENSOR_RESPONSES)
+async def job_tensors(job_id: str, http: Request, desk: DeskDep) -> Response:
+    """A finished job's tensors and files as one safetensors file (`Accept: application/x-npz`:
+    NumPy's `.npz`); for a request that asked for latents, a trajectory or a rollout."""
+    job = await desk.find(job_id, http)
+    if job.tensors is None:
+        why = (
+            "it did not ask for latents, a trajectory or a rollout"
+            if job.state == "done"
+            else f"it is {job.state}"
+        )
+        raise NotFound(f"job_id: job {job_id} has no tensors: {why}", param="job_id")
+    found = await asyncio.to_thread(desk.store.get_output, job.id, job.tensors.name)
+    if found is None:
+        raise _gone()
+    media = tensor_file.wanted(http.headers.get("accept")) or tensor_file.SAFETENSORS
+    data = await asyncio.to_thread(tensor_file.convert, found[0], media)
+    name = f"{job.id}.{tensor_file.suffix(media)}"
+    return Response(data, media_type=media, headers={"Content-Disposition": f'attachment; filename="{name}"'})
 
 
 @router.delete("/v1/jobs/{job_id}", response_model=Job | DeletedJob, responses=ERRORS)

@@ -44,4 +44,7 @@ class Links:
         for out in public.outputs:
             out.url = self.signed(job.base_url, job.id, out.name)
             out.content_url = f"{job.base_url}/v1/jobs/{job.id}/content/{out.index}"
+        if public.tensors is not None:
+            public.tensors.url = self.signed(job.base_url, job.id, public.tensors.name)
+            public.tensors.content_url = f"{job.base_url}/v1/jobs/{job.id}/tensors"
         return public

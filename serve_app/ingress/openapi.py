@@ -12,6 +12,7 @@ from typing import Any
 
 from fastapi import Depends, FastAPI
 
+from serve_app.formats.tensor_file import MEDIA_TYPES as TENSOR_FILES
 from serve_app.ingress.access import OPEN_ROUTES, SIGNED_PREFIX, require_admin, servable
 from serve_app.schemas import MEDIA_TYPES, ErrorResponse, Job
 from serve_app.schemas.a1111 import options_schema
@@ -25,10 +26,17 @@ SSE_EVENT = {
                    "retry": {"type": "integer"}},
 }  # fmt: skip
 # The image routes answer JSON (the images; with `Prefer: respond-async` the job, 202 while it
-# runs, 200 once it ended within `Prefer: wait=N`), or with `stream: true` Server-Sent Events.
+# runs, 200 once it ended within `Prefer: wait=N`), or with `stream: true` Server-Sent Events,
+# or with a tensor file's `Accept:` that file.
 IMAGE_RESPONSES = {
     **ERRORS,
-    200: {"content": {"text/event-stream": {"schema": SSE_EVENT}}},
+    200: {
+        "content": {
+            "text/event-stream": {"schema": SSE_EVENT},
+            # `Accept:` one of these: the result's tensors and files as one file (tensor_file.py).
+            **{media: {"schema": {"type": "string", "format": "binary"}} for media in TENSOR_FILES},
+        }
+    },
     202: {"model": Job, "description": "With `Prefer: respond-async`: the job (`Location`: its URL)."},
 }
 # A stored output (with `response_class=Response`): the file, by its media type.
@@ -39,6 +47,10 @@ FILE_RESPONSES = {
         "description": "The file.",
         "content": {media: _FILE for media in sorted(set(MEDIA_TYPES.values()))},
     },
+}
+TENSOR_RESPONSES = {
+    **ERRORS,
+    200: {"description": "The tensor file.", "content": {media: _FILE for media in TENSOR_FILES}},
 }
 # Routes that change the server for everyone: an admin key, or the local opt-in (access.py).
 ADMIN = {"dependencies": [Depends(require_admin)], "responses": ERRORS}

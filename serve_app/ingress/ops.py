@@ -60,6 +60,7 @@ def _card(info: ModelDescription, aliases: list[str], now: int) -> ModelCard:
         modalities=[info.modality],
         tasks=info.tasks,
         inputs=info.inputs,
+        reference_images=info.reference_images,
         embeds_shapes=info.embeds_shapes(),
         default_num_frames=info.default_num_frames,
         aliases=aliases,

@@ -17,9 +17,18 @@ from typing import Any
 
 from serve_app.config import JobsConfig
 from serve_app.errors import Aborted, ServingError
+from serve_app.formats import tensor_file
 from serve_app.jobs import webhooks
 from serve_app.jobs.store import JOB_PREFIX, Store
-from serve_app.schemas import MEDIA_TYPES, GenerationResult, JobOutput, JobRecord, PreparedRequest, StepEvent
+from serve_app.schemas import (
+    MEDIA_TYPES,
+    GenerationResult,
+    JobOutput,
+    JobRecord,
+    JobTensors,
+    PreparedRequest,
+    StepEvent,
+)
 
 logger = logging.getLogger("ray.serve")
 
@@ -108,9 +117,7 @@ class JobRunner:
         current = await asyncio.to_thread(self.store.load_job, job.id) or job
         if not current.finished:
             current.state, current.finished_at = "aborted", time.time()
-            current.error = Aborted("aborted by DELETE /v1/jobs", request_id=job.request_id).to_body()[
-                "error"
-            ]
+            current.error = Aborted("aborted by a DELETE", request_id=job.request_id).to_body()["error"]
             await self._save(current, force=True)
         return current
 
@@ -211,6 +218,7 @@ class JobRunner:
                         self._notify(job, "start" if first else "progress")
                     continue
                 job.outputs = _outputs(await asyncio.to_thread(self.store.put_outputs, job.id, item), item)
+                job.tensors = await asyncio.to_thread(_tensors, self.store, job.id, item)
                 job.metrics = item.metrics
                 job.attempts += item.attempts - 1
                 # Done is every step done, whichever step events this ingress saw last.
@@ -332,6 +340,14 @@ class JobRunner:
             logger.warning("job %s: its ingress went away; resuming it (attempt %d)", job_id, attempt)
             await self._save(job, force=True)
             self._run(job, request.model_copy(update={"request_id": job.request_id}))
+
+
+def _tensors(store: Store, key: str, result: GenerationResult) -> JobTensors | None:
+    """A result's tensors stored as one safetensors file beside its files; None if it has none."""
+    if not tensor_file.has_tensors(result):
+        return None
+    name, size = store.put_tensors(key, tensor_file.encode(result, tensor_file.SAFETENSORS))
+    return JobTensors(name=name, bytes=size)
 
 
 def _outputs(names: list[tuple[str, int]], result: GenerationResult) -> list[JobOutput]:

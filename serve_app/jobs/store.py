@@ -17,9 +17,11 @@ from typing import Any
 import fsspec
 
 from serve_app.errors import ServingError
+from serve_app.formats.tensor_file import SAFETENSORS
 from serve_app.schemas import MEDIA_TYPES, GenerationResult, JobRecord, PreparedRequest
 
 JOB_PREFIX = "job_"
+TENSORS_FILE = "tensors.safetensors"
 
 
 def job_id_for(idempotency_key: str | None, caller: str) -> str:
@@ -203,8 +205,16 @@ class Store:
             names.append((name, len(data)))
         return names
 
+    def put_tensors(self, key: str, data: bytes) -> tuple[str, int]:
+        """Store a result's tensor file (`formats.tensor_file`) beside its files."""
+        self._write(self._path("objects", key, TENSORS_FILE), data)
+        return TENSORS_FILE, len(data)
+
     def get_output(self, key: str, name: str) -> tuple[bytes, str] | None:
         """A stored file and its content type; None if there is none."""
+        if name == TENSORS_FILE:
+            data = self._read(self._path("objects", key, name))
+            return (data, SAFETENSORS) if data is not None else None
         stem, _, fmt = name.partition(".")
         if not stem.isdigit() or fmt not in MEDIA_TYPES:
             return None

@@ -43,8 +43,17 @@ def new_job(engine: Engine, request: PreparedRequest, future: asyncio.Future, pr
     rollout, (sampler, sigma_schedule) = checked_rollout(engine, request, (sampler, sigma_schedule))
     image = request.image.to_pil() if request.image is not None else None
     mask = request.mask.to_pil() if request.mask is not None else None
+    refs = tuple(r.to_pil() for r in request.references)
     rows = [
-        Row(prompt, request.negative_prompt, request.seed + k, **embeds, image=image, mask=mask)
+        Row(
+            prompt,
+            request.negative_prompt,
+            request.seed + k,
+            **embeds,
+            image=image,
+            mask=mask,
+            references=refs,
+        )
         for prompt in request.prompts
         for k in range(request.num_images)
     ]

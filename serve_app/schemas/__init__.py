@@ -79,6 +79,8 @@ from serve_app.schemas.jobs import (
     JobOutput,
     JobRecord,
     JobState,
+    JobTensors,
+    VideoJob,
     WebhookDelivery,
     WebhookEvent,
 )
@@ -102,6 +104,7 @@ from serve_app.schemas.openai import (
 from serve_app.schemas.openai import _ImagesCommon as _ImagesCommon
 from serve_app.schemas.payloads import InputImage, PixelPayload, TensorPayload, Trajectory
 from serve_app.schemas.payloads import _image_bytes as _image_bytes
+from serve_app.schemas.videos import Video, VideoDeleted, VideoList
 
 __all__ = [
     "CHECKPOINT_ID",
@@ -139,6 +142,11 @@ __all__ = [
     "Job",
     "JobList",
     "JobOutput",
+    "JobTensors",
+    "Video",
+    "VideoDeleted",
+    "VideoJob",
+    "VideoList",
     "JobRecord",
     "JobState",
     "LoraAdd",

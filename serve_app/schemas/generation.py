@@ -165,6 +165,12 @@ class _ImageInputs(_Wire):
 
     image: InputImage | None = Field(None, description="The image to edit.")
     mask: InputImage | None = Field(None, description="Where to paint: transparent (alpha) or white.")
+    references: list[InputImage] = Field(
+        default_factory=list,
+        max_length=15,
+        description="More images after `image`, for models that take several reference images of one "
+        "prompt (Qwen-Image-Edit-2509, FLUX.2 [klein]).",
+    )
     tenant: str | None = Field(
         None,
         max_length=64,
@@ -176,6 +182,8 @@ class _ImageInputs(_Wire):
     def _mask_needs_image(self):
         if self.mask is not None and self.image is None:
             raise ValueError("mask needs an image to paint into")
+        if self.references and self.image is None:
+            raise ValueError("references follow an image: give `image` first")
         return self
 
 

@@ -55,6 +55,7 @@ class PreparedRequest(_Wire):
     vae_use_tiling: bool = False
     image: PixelPayload | None = None  # decoded and fitted to width x height by the ingress
     mask: PixelPayload | None = None  # "L", the same size
+    references: list[PixelPayload] = Field(default_factory=list)  # more images, at their own sizes
     return_latents: bool = False
     return_trajectory: bool = False
     return_trajectory_decoded: bool = False
@@ -103,6 +104,7 @@ class PreparedRequest(_Wire):
         task: str = "generate",
         image: PixelPayload | None = None,
         mask: PixelPayload | None = None,
+        references: list[PixelPayload] | None = None,
         acceleration: str = "none",
         sampler: tuple[str | None, str | None] = (None, None),
         model: str = "",
@@ -129,6 +131,7 @@ class PreparedRequest(_Wire):
             fps=request.fps or fps,
             output_compression=request.output_compression,
             task=task,
+            references=references or [],
             strength=request.strength,
             true_cfg_scale=request.true_cfg_scale,
             generator_device=request.generator_device,
@@ -249,6 +252,8 @@ class ModelDescription(BaseModel):
     modality: Literal["image", "video"] = "image"
     tasks: list[str] = Field(default_factory=lambda: ["generate"])
     inputs: list[str] = Field(default_factory=lambda: ["prompt", "negative_prompt"])
+    takes_guidance: bool = True  # False: its guider component guides (HunyuanVideo 1.5)
+    reference_images: bool = False  # an edit takes several images of one prompt
     embeds_dim: int | None = None
     embeds_tokens: int | None = None
     pooled_dim: int | None = None

@@ -28,6 +28,18 @@ class JobOutput(BaseModel):
     prompt_index: int
 
 
+class JobTensors(BaseModel):
+    """A finished job's tensors (latents, trajectory, log-probs) with its files, as one file."""
+
+    name: str = Field(description="The stored file's name.")
+    url: str | None = Field(None, description="A signed link to the safetensors file; it expires.")
+    content_url: str | None = Field(
+        None, description="GET /v1/jobs/{id}/tensors: the file behind the API keys (`.npz` with its Accept)."
+    )
+    content_type: str = "application/vnd.safetensors"
+    bytes: int
+
+
 class WebhookDelivery(BaseModel):
     url: str
     events: list[WebhookEvent] = Field(default_factory=lambda: ["completed"])
@@ -54,6 +66,9 @@ class Job(BaseModel):
     total_steps: int = 0
     output_format: OutputFormat
     outputs: list[JobOutput] = Field(default_factory=list)
+    tensors: JobTensors | None = Field(
+        None, description="When the request asked for latents, a trajectory or a rollout: its tensors' file."
+    )
     metrics: StageMetrics | None = None
     error: dict[str, Any] | None = Field(None, description="The error body's `error` object when failed.")
     attempts: int = Field(1, description="Ingress and replica attempts it took (resumed after a loss: more).")
@@ -70,6 +85,14 @@ class DeletedJob(Job):
     deleted: Literal[True] = True
 
 
+class VideoJob(BaseModel):
+    """What `POST /v1/videos` asked for, kept with its job to answer as OpenAI's `Video`."""
+
+    prompt: str
+    seconds: str
+    size: str
+
+
 class JobRecord(Job):
     """A job as stored: with the bookkeeping callers do not see."""
 
@@ -78,6 +101,7 @@ class JobRecord(Job):
     base_url: str = Field("", description="Where the links of its outputs point.")
     body_hash: str | None = Field(None, description="Of the submitted body, for idempotency keys.")
     tenant: str = Field("default", description="The tenant it counts against.")
+    video: VideoJob | None = Field(None, description="A job made by POST /v1/videos: what it asked for.")
 
     def public(self) -> Job:
         return Job.model_validate(self.model_dump(include=set(Job.model_fields)))

@@ -191,7 +191,9 @@ class ImagesEditRequest(_ImagesCommon):
 
     prompt: Prompt
     image: list[InputImage] = Field(
-        min_length=1, description="The image to edit (one).", json_schema_extra={"maxItems": 1}
+        min_length=1,
+        max_length=16,
+        description="The image to edit; several (`image[]` repeated) for models that take reference images.",
     )
     mask: InputImage | None = Field(None, description="Where to paint: transparent (alpha) or white.")
     # OpenAI edit fields accepted for compatibility and ignored by diffusion models
@@ -203,15 +205,19 @@ class ImagesEditRequest(_ImagesCommon):
         return v if isinstance(v, list) else [v]
 
     def to_generation_request(self) -> GenerationRequest:
-        if len(self.image) > 1:
-            raise InvalidRequest(
-                f"image: {len(self.image)} images; an edit here takes one image", param="image"
-            )
-        return GenerationRequest(prompt=self.prompt, image=self.image[0], mask=self.mask, **self._params())
+        return GenerationRequest(
+            prompt=self.prompt,
+            image=self.image[0],
+            references=self.image[1:],
+            mask=self.mask,
+            **self._params(),
+        )
 
 
 class VideosGenerationRequest(ImagesGenerationRequest):
-    """Body of `POST /v1/videos`: a prompt to a video model, answered when the video is made."""
+    """Body of `POST /v1/videos/generations`: a prompt (and for an image-to-video model the image
+    to start from) to a video model, answered when the video is made; `POST /v1/videos` takes
+    the same fields as OpenAI's video job (`schemas.videos`)."""
 
     model_config = ConfigDict(
         json_schema_extra=rules(*_MODEL_RULES, ("model", "a video model (default: the default model)"))
@@ -225,6 +231,25 @@ class VideosGenerationRequest(ImagesGenerationRequest):
         "short) and `fps`.",
     )
     partial_images: SkipJsonSchema[int | None] = None  # an image stream's: refused with a 400 naming it
+    input_reference: InputImage | None = Field(
+        None,
+        description="Image-to-video models: the image the video starts from (a file in a form; base64, a "
+        'data: URL or OpenAI\'s `{"image_url": <data: URL>}` in JSON).',
+    )
+
+    @field_validator("input_reference", mode="before")
+    @classmethod
+    def _reference(cls, v: Any) -> Any:
+        if isinstance(v, dict):  # OpenAI's ImageInputReferenceParam
+            if set(v) != {"image_url"}:
+                raise ValueError("takes {'image_url': <a data: URL>} (no file ids: there is no files API)")
+            v = v["image_url"]
+        if isinstance(v, str) and v.startswith(("http://", "https://")):
+            raise ValueError("a data: URL or base64, not a link (the server fetches nothing)")
+        return v
+
+    def to_generation_request(self) -> GenerationRequest:
+        return GenerationRequest(prompt=self.prompt, image=self.input_reference, **self._params())
 
 
 class ImagesBatchRequest(_ImagesCommon):
@@ -306,10 +331,14 @@ class ModelCard(BaseModel):
     owned_by: str = "diffusion-serve"
     # Extensions
     source: str
-    family: str = Field(description="sd, sdxl, sd3, flux, wan, or the pipeline's class for others.")
+    family: str = Field(
+        description="sd, sdxl, sd3, flux, flux2, wan, qwen-image, z-image, ltx, hunyuan-video, or the "
+        "pipeline's class for others."
+    )
     modalities: list[Literal["image", "video"]] = Field(description="What the model makes.")
     tasks: list[str] = Field(description="generate, and the edits it does: img2img, inpaint, edit.")
     inputs: list[str] = Field(description="What a request may give the model (embeddings: handle calls).")
+    reference_images: bool = Field(False, description="An edit takes several images of one prompt.")
     embeds_shapes: dict[str, list[int]] | None = Field(
         None, description="Shapes of `prompt_embeds` (and `pooled_prompt_embeds`) the model takes."
     )

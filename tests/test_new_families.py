@@ -1,0 +1,229 @@
+"""The families of issue 56 through the whole system: one application serving the seven new twins
+(Qwen-Image and its edit model, Z-Image, FLUX.2 [klein], Wan 2.2 image-to-video, LTX-Video,
+HunyuanVideo 1.5), each the real diffusers pipeline at toy size, called over HTTP (and the
+image-to-video one through OpenAI's SDK): each task it offers, and each input it does not take
+refused with a 400 naming the field."""
+
+from __future__ import annotations
+
+import base64
+import copy
+import io
+
+import av
+import numpy as np
+import pytest
+from PIL import Image
+
+from tests.conftest import SESSION_DIR, TEST_ARGS, deploy, replica_ids
+from tests.test_edits import picture, up
+
+pytestmark = pytest.mark.slow  # an application of seven models
+APP = "fam26"
+P = f"/{APP}"
+MODELS = {
+    "qwen-image": "tiny-qwen-image",
+    "qwen-image-edit": "tiny-qwen-image-edit",
+    "z-image": "tiny-z-image",
+    "flux2-klein": "tiny-flux2-klein",
+    "wan-i2v": "tiny-wan-i2v",
+    "ltx": "tiny-ltx",
+    "hunyuan-video": "tiny-hunyuan-video",
+}
+
+
+@pytest.fixture(scope="module")
+def fam(ray_cluster):
+    from ray import serve
+
+    args = copy.deepcopy(TEST_ARGS)
+    base = args.pop("model")
+    common = {k: base[k] for k in ("device", "warmup_steps", "cpu_threads", "engine_extension")}
+    args["models"] = [
+        {"model": {**common, "name": name, "source": f"builtin:{src}", "default_steps": 2}}
+        for name, src in MODELS.items()
+    ]
+    args["lora"] = {**args["lora"], "registry_path": str(SESSION_DIR / f"{APP}-loras.json")}
+    deploy(APP, args)
+    yield P
+    serve.delete(APP, _blocking=False)
+
+
+def png(im: Image.Image) -> bytes:
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def generate(client, **body):
+    r = client.post(f"{P}/v1/images/generations", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def frames(b64_or_bytes) -> list[np.ndarray]:
+    data = base64.b64decode(b64_or_bytes) if isinstance(b64_or_bytes, str) else b64_or_bytes
+    with av.open(io.BytesIO(data)) as c:
+        return [f.to_ndarray(format="rgb24") for f in c.decode(video=0)]
+
+
+def refused(r, param: str) -> str:
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    return r.json()["error"]["message"]
+
+
+def test_the_cards_say_each_family_and_what_it_does(fam, client):
+    cards = {c["id"]: c for c in client.get(f"{P}/v1/models").json()["data"]}
+    tasks = {name: cards[name]["tasks"] for name in MODELS}
+    assert tasks == {
+        "qwen-image": ["generate", "img2img", "inpaint"],
+        "qwen-image-edit": ["edit"],
+        "z-image": ["generate", "img2img", "inpaint"],
+        "flux2-klein": ["generate", "edit"],
+        "wan-i2v": ["edit"],
+        "ltx": ["generate"],
+        "hunyuan-video": ["generate"],
+    }, tasks
+    assert [cards[n]["modalities"] for n in ("ltx", "wan-i2v", "qwen-image")] == [
+        ["video"],
+        ["video"],
+        ["image"],
+    ]
+
+
+@pytest.mark.parametrize("model", ["qwen-image", "z-image", "flux2-klein"])
+def test_a_new_image_family_generates_each_seed_reproducibly(fam, client, model):
+    """Image k of a request is its seed's (to rounding: a batched call's arithmetic differs a
+    little from a single one's), and two seeds make two images."""
+    from serve_app.schemas import TensorPayload
+
+    two = generate(client, model=model, prompt="a red circle", seed=3, n=2, return_latents=True)
+    assert [d["seed"] for d in two["data"]] == [3, 4] and two["size"] == "64x64"
+    again = generate(client, model=model, prompt="a red circle", seed=4, return_latents=True)
+    pair, alone = (TensorPayload(**r["latents"]).to_numpy() for r in (two, again))
+    assert np.abs(pair[1] - alone[0]).max() < 1e-3 and np.abs(pair[0] - pair[1]).max() > 0.1
+
+
+@pytest.mark.parametrize("model", ["qwen-image", "z-image"])
+def test_image_to_image_and_inpainting_where_diffusers_offers_them(fam, client, model):
+    base = {"model": model, "prompt": "a blue square", "seed": 2, "num_inference_steps": 4}
+    img = client.post(
+        f"{P}/v1/images/edits", files={"image": up(picture(64, 1))}, data={**base, "strength": "0.5"}
+    )
+    assert img.status_code == 200, img.text
+    mask = Image.new("L", (64, 64), 0)
+    mask.paste(255, (16, 16, 48, 48))
+    inpaint = client.post(f"{P}/v1/images/edits", files={"image": up(picture(64, 1)), "mask": up(mask)},
+                          data={k: str(v) for k, v in base.items()})  # fmt: skip
+    assert inpaint.status_code == 200, inpaint.text
+    a, b = (
+        np.asarray(Image.open(io.BytesIO(base64.b64decode(r.json()["data"][0]["b64_json"]))))
+        for r in (img, inpaint)
+    )
+    assert a.shape == b.shape == (64, 64, 3) and not np.array_equal(a, b)
+
+
+def test_qwen_image_edit_takes_three_reference_images_and_each_one_counts(fam, client):
+    """Edit-2509's several images of one prompt: the form repeats `image[]`; the answer changes
+    when the second image does, and is the same for the same images."""
+    refs = [picture(64, s) for s in (1, 2, 3)]
+    data = {"model": "qwen-image-edit", "prompt": "put them together", "seed": 5}
+
+    def edit(images):
+        r = client.post(f"{P}/v1/images/edits", files=[("image[]", up(im)) for im in images], data=data)
+        assert r.status_code == 200, r.text
+        return r.json()["data"][0]["b64_json"]
+
+    first = edit(refs)
+    assert edit(refs) == first
+    assert edit([refs[0], picture(64, 9), refs[2]]) != first
+    as_json = client.post(
+        f"{P}/v1/images/edits", json={**data, "image": [base64.b64encode(png(im)).decode() for im in refs]}
+    )
+    assert as_json.status_code == 200 and as_json.json()["data"][0]["b64_json"] == first, as_json.text
+    # A model that takes one image, too many images, and no image at all: 400s naming `image`.
+    one = client.post(f"{P}/v1/images/edits", files=[("image[]", up(im)) for im in refs[:2]],
+                      data={**data, "model": "qwen-image"})  # fmt: skip
+    assert "takes one" in refused(one, "image")
+    many = client.post(f"{P}/v1/images/edits", files=[("image[]", up(refs[0]))] * 5, data=data)
+    assert "limits.max_input_images" in refused(many, "image")
+    refused(
+        client.post(f"{P}/v1/images/generations", json={"model": "qwen-image-edit", "prompt": "x"}), "image"
+    )
+
+
+def test_flux2_klein_edits_from_references_and_refuses_a_negative_prompt(fam, client):
+    data = {"model": "flux2-klein", "prompt": "a cat", "seed": 1}
+    r = client.post(
+        f"{P}/v1/images/edits", files=[("image[]", up(picture(64, s))) for s in (1, 2)], data=data
+    )
+    assert r.status_code == 200, r.text
+    plain = generate(client, **data)["data"][0]["b64_json"]
+    assert r.json()["data"][0]["b64_json"] != plain  # the references count
+    bad = client.post(f"{P}/v1/images/generations", json={**data, "negative_prompt": "dogs"})
+    assert "takes none" in refused(bad, "negative_prompt")
+
+
+def test_ltx_and_hunyuan_make_videos_at_their_frame_rules(fam, client):
+    url = f"{P}/v1/videos/generations"
+    ltx = client.post(url, json={"model": "ltx", "prompt": "a boat", "num_frames": 17, "seed": 1})
+    assert ltx.status_code == 200, ltx.text
+    assert len(frames(ltx.json()["data"][0]["b64_json"])) == 17  # 8k+1
+    assert "8k+1" in refused(
+        client.post(url, json={"model": "ltx", "prompt": "a", "num_frames": 13}), "num_frames"
+    )
+    hy = client.post(url, json={"model": "hunyuan-video", "prompt": "a boat", "seed": 1})
+    assert hy.status_code == 200, hy.text
+    clip = frames(hy.json()["data"][0]["b64_json"])
+    assert len(clip) == 5 and clip[0].shape == (48, 80, 3)
+    # Its call takes no step callback: the engine sees each step from its scheduler, so it streams.
+    r = client.post(
+        url, json={"model": "hunyuan-video", "prompt": "a boat", "stream": True, "num_inference_steps": 3}
+    )
+    steps = [e for e in r.text.split("\n\n") if '"type":"step"' in e.replace(" ", "")]
+    assert r.status_code == 200 and len(steps) == 3, r.text[:500]
+    guided = client.post(url, json={"model": "hunyuan-video", "prompt": "a", "guidance_scale": 3})
+    assert "guider" in refused(guided, "guidance_scale")
+
+
+def test_wan_image_to_video_through_openai_s_sdk(fam, client, base_url):
+    """`client.videos.create_and_poll` with an `input_reference`, then `download_content`: the
+    MP4 starts from that image (another image, another video); a text-only request, or an image
+    to a text-to-video model, is a 400 naming `input_reference`."""
+    import openai
+    from openai import OpenAI
+
+    before = replica_ids(client, P)
+    oai = OpenAI(base_url=f"{base_url}{P}/v1", api_key="i2v-key", max_retries=0)
+    extra = {"num_inference_steps": 2, "seed": 4, "fps": 4}
+
+    def video(color: str) -> bytes:
+        ref = ("start.png", png(Image.new("RGB", (32, 32), color)), "image/png")
+        made = oai.videos.create_and_poll(model="wan-i2v", prompt="a boat", input_reference=ref, seconds="1",
+                                          size="32x32", extra_body=extra, poll_interval_ms=100)  # fmt: skip
+        assert made.status == "completed", made
+        return oai.videos.download_content(made.id).content
+
+    red = video("red")
+    assert len(frames(red)) == 5 and video("red") == red
+    assert video("blue") != red
+    start = base64.b64encode(png(Image.new("RGB", (32, 32), "red"))).decode()
+    body = {
+        "model": "wan-i2v",
+        "prompt": "a boat",
+        "num_frames": 5,
+        "size": "32x32",
+        "input_reference": start,
+    }
+    as_json = client.post(f"{P}/v1/videos/generations", json={**body, **extra})
+    assert as_json.status_code == 200, as_json.text
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.videos.create(model="wan-i2v", prompt="a boat", size="32x32")
+    assert e.value.body["param"] == "input_reference"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.videos.create(
+            model="ltx", prompt="a boat", input_reference=("a.png", png(picture(64)), "image/png")
+        )
+    assert e.value.body["param"] == "input_reference"
+    assert replica_ids(client, P) == before
