@@ -2,10 +2,12 @@
 
     python benchmarks/bench_families.py                       # CPU, the embedded twins
     python benchmarks/bench_families.py --models qwen-image,ltx --steps 8
+    python benchmarks/bench_families.py --models ltx-arch --device cuda --steps 8 --rounds 3  # real shapes
 
 One app serves one twin per family (Qwen-Image, Qwen-Image-Edit-2509 with two reference
-images, Z-Image, FLUX.2 [klein], Wan 2.2 image-to-video, LTX-Video, HunyuanVideo 1.5), each
-model one replica. Per family, interleaved rounds of: a request over HTTP (the image routes, the
+images, Z-Image, FLUX.2 [klein], Wan 2.2 image-to-video, LTX-Video, HunyuanVideo 1.5), or a
+`-arch` model at its real shapes (`ltx-arch`: random weights, no download), each model one
+replica. Per family, interleaved rounds of: a request over HTTP (the image routes, the
 edit form, `/v1/videos/generations` with `input_reference`), and the same call to the diffusers
 pipeline itself in this process (the same twin, size, steps and inputs). Prints p50 of each and
 the ratio served / raw: what the serving path adds to one request of the family (HTTP, the
@@ -86,7 +88,8 @@ def main() -> None:
 
     names = a.models.split(",")
     port = 8767
-    entries = [{"model": {"name": n, "source": f"builtin:tiny-{n}", "device": a.device}} for n in names]
+    sources = {n: f"builtin:{n}" if n.endswith("-arch") else f"builtin:tiny-{n}" for n in names}
+    entries = [{"model": {"name": n, "source": sources[n], "device": a.device}} for n in names]
     args = {
         "models": entries,
         "replica": {"num_gpus": 1 if a.device == "cuda" else 0, "num_cpus": 0},
@@ -97,9 +100,7 @@ def main() -> None:
     try:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as http:
             for name in names:
-                engine = DiffusionEngine(
-                    ModelConfig(source=f"builtin:tiny-{name}", device=a.device, warmup=False)
-                )
+                engine = DiffusionEngine(ModelConfig(source=sources[name], device=a.device, warmup=False))
                 raw, served = calls(name, engine, http, a.steps)
                 raw(), served()  # warm both
                 times = {"raw": [], "served": []}

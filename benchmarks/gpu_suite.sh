@@ -67,4 +67,11 @@ read -r -a F <<< "${FLUX_ARGS:-}"
 if [ ${#F[@]} -gt 0 ]; then
     run latency-flux 200 bench_latency.py "${F[@]}" --size 1024 --steps 4 --iters 3 --out "$out/latency-flux.json"
 fi
+# A newer family at its real shapes (LTX-Video 0.9: a 1.9B transformer, T5-XXL, 161 frames of
+# 704x480; random weights): served against the raw pipeline, 8 steps. Opt in (up to 240 s):
+# LTX_ARGS="--models ltx-arch --device cuda".
+read -r -a L <<< "${LTX_ARGS:-}"
+if [ ${#L[@]} -gt 0 ]; then
+    run families-ltx 240 bench_families.py "${L[@]}" --steps 8 --rounds 3 --out "$out/families-ltx.json"
+fi
 echo "results in $out"

@@ -256,6 +256,9 @@ class FakeEngine:
     def can_join(self, params) -> bool:
         return False  # whole calls only: joining is proven on the real engine
 
+    def one_request_calls(self, params) -> bool:
+        return False
+
     def can_pause(self, params) -> bool:
         return True  # its calls keep no state between steps but their own
 

@@ -56,6 +56,14 @@ def test_flux_preset_has_the_real_shapes():
     assert pipe.vae.config.latent_channels == 16 and pipe.transformer.config.guidance_embeds
 
 
+def test_ltx_preset_has_the_real_shapes():
+    pipe = build_builtin("ltx-arch", device="meta")
+    millions = [sum(p.numel() for p in m.parameters()) / 1e6 for m in (pipe.transformer, pipe.text_encoder)]
+    assert millions[1] == pytest.approx(4762.3, abs=0.5)  # T5-XXL
+    assert millions[0] == pytest.approx(1923.4, abs=0.5)  # LTX-Video 0.9's 2B transformer
+    assert pipe.vae.config.latent_channels == 128 and pipe.vae_temporal_compression_ratio == 8
+
+
 def test_same_seed_same_image_and_different_seed_differs(engine):
     a = engine.run([Row("a red cat", None, 5)], SMALL).images[0]
     b = engine.run([Row("a red cat", None, 5)], SMALL).images[0]

@@ -44,6 +44,8 @@ def fam(ray_cluster):
         for name, src in MODELS.items()
     ]
     args["lora"] = {**args["lora"], "registry_path": str(SESSION_DIR / f"{APP}-loras.json")}
+    # Joining on, as on a GPU: requests that start from their own images must still not share.
+    args["batching"] = {**args["batching"], "step_joining": True}
     deploy(APP, args)
     yield P
     serve.delete(APP, _blocking=False)
@@ -142,6 +144,12 @@ def test_qwen_image_edit_takes_three_reference_images_and_each_one_counts(fam, c
         f"{P}/v1/images/edits", json={**data, "image": [base64.b64encode(png(im)).decode() for im in refs]}
     )
     assert as_json.status_code == 200 and as_json.json()["data"][0]["b64_json"] == first, as_json.text
+    # AUTOMATIC1111's img2img takes them as `init_images` too.
+    a1111 = {"prompt": "put them together", "seed": 5, "steps": 2, "width": 64, "height": 64,
+             "init_images": [base64.b64encode(png(im)).decode() for im in refs],
+             "override_settings": {"sd_model_checkpoint": "qwen-image-edit"}}  # fmt: skip
+    r = client.post(f"{P}/sdapi/v1/img2img", json=a1111)
+    assert r.status_code == 200 and len(r.json()["images"]) == 1, r.text
     # A model that takes one image, too many images, and no image at all: 400s naming `image`.
     one = client.post(f"{P}/v1/images/edits", files=[("image[]", up(im)) for im in refs[:2]],
                       data={**data, "model": "qwen-image"})  # fmt: skip
@@ -227,3 +235,91 @@ def test_wan_image_to_video_through_openai_s_sdk(fam, client, base_url):
         )
     assert e.value.body["param"] == "input_reference"
     assert replica_ids(client, P) == before
+
+
+def test_requests_that_start_from_their_own_images_never_share_a_call(fam, client):
+    """A model whose call takes one prompt's images (Wan's first frame, Qwen-Image-Edit's
+    references) holds one request a call, joining on or off: two image-to-video requests sent
+    together each make what they make alone; a request's `n` outputs come from one call."""
+    import concurrent.futures as cf
+
+    def i2v(color: str):
+        start = base64.b64encode(png(Image.new("RGB", (32, 32), color))).decode()
+        body = {"model": "wan-i2v", "prompt": "a boat", "seed": 2, "num_frames": 5, "input_reference": start}
+        r = client.post(f"{P}/v1/videos/generations", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    alone = [i2v(c) for c in ("red", "blue")]
+    with cf.ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(i2v, ("red", "blue")))
+    for a, t in zip(alone, together, strict=True):
+        assert t["metrics"]["batch_requests"] == 1, t["metrics"]
+        diff = [
+            np.abs(x.astype(int) - y).max()
+            for x, y in zip(frames(a["data"][0]["b64_json"]), frames(t["data"][0]["b64_json"]), strict=True)
+        ]
+        assert max(diff) <= 2, diff
+    two = client.post(f"{P}/v1/images/edits", files=[("image[]", up(picture(64, s))) for s in (1, 2)],
+                      data={"model": "qwen-image-edit", "prompt": "mix", "seed": 8, "n": "2"})  # fmt: skip
+    assert two.status_code == 200, two.text
+    assert [d["seed"] for d in two.json()["data"]] == [8, 9] and two.json()["metrics"]["batch_images"] == 2
+
+
+def test_an_adapter_on_a_new_family_and_a_clear_refusal_where_its_pipeline_takes_none(fam, client):
+    from serve_app.tools.lora import make_adapter
+    from tests.conftest import ADAPTER_DIR
+
+    path = make_adapter(
+        str(ADAPTER_DIR / "qwen-style.safetensors"), seed=5, model="tiny-qwen-image", strength=3.0
+    )
+    r = client.post(f"{P}/v1/loras", json={"name": "qwen-style", "path": str(path), "model": "qwen-image"})
+    assert r.status_code == 200, r.text
+    try:
+        body = {"model": "qwen-image", "prompt": "a cat", "seed": 1}
+        base = generate(client, **body)["data"][0]["b64_json"]
+        styled = generate(client, **body, lora={"name": "qwen-style"})["data"][0]["b64_json"]
+        off = generate(client, **body, lora={"name": "qwen-style", "scale": 0})["data"][0]["b64_json"]
+        assert styled != base and off == base
+    finally:
+        client.delete(f"{P}/v1/loras/qwen-style")
+    # HunyuanVideo 1.5's pipeline has no LoRA loader: registering one for it is a 400 saying so.
+    bad = client.post(f"{P}/v1/loras", json={"name": "hy-style", "path": str(path), "model": "hunyuan-video"})
+    assert "takes no LoRA adapters" in refused(bad, "path")
+
+
+@pytest.mark.parametrize("model", list(MODELS))
+def test_streamed_previews_of_every_new_family(fam, client, model):
+    """Step events with a preview of the latents at every step (packed sequences unpacked or laid
+    out on a grid, video latents at their first frame), whatever the layout; a decoded
+    trajectory, which these families' VAEs are not proven to give, is a 400 naming the field."""
+    video = model in ("wan-i2v", "ltx", "hunyuan-video")
+    body = {
+        "model": model,
+        "prompt": "a boat",
+        "seed": 1,
+        "num_inference_steps": 2,
+        "stream": True,
+        "preview_every": 1,
+    }
+    if model == "wan-i2v":
+        body["input_reference"] = base64.b64encode(png(Image.new("RGB", (32, 32), "red"))).decode()
+    url = f"{P}/v1/videos/generations" if video else f"{P}/v1/images/generations"
+    if model == "qwen-image-edit":
+        url = f"{P}/v1/images/edits"
+        body["image"] = [base64.b64encode(png(picture(64, s))).decode() for s in (1, 2)]
+    r = client.post(url, json=body)
+    assert r.status_code == 200, r.text
+    import json
+
+    events = [json.loads(e[len("data: ") :]) for e in r.text.split("\n\n") if e.startswith("data: {")]
+    previews = [e["preview_png"] for e in events if e.get("type") == "step"]
+    assert len(previews) == 2, r.text[:800]
+    assert all(Image.open(io.BytesIO(base64.b64decode(p))).size for p in previews)
+    assert events[-1]["type"] == "result", events[-1]
+    if not video and model != "qwen-image-edit":
+        bad = client.post(
+            f"{P}/v1/images/generations",
+            json={"model": model, "prompt": "a", "return_trajectory_decoded": True},
+        )
+        refused(bad, "return_trajectory_decoded")

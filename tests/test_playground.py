@@ -100,6 +100,12 @@ def test_edit_an_uploaded_image_with_a_mask(page, base_url, tmp_path):
     size = page.eval_on_selector("#result", natural)
     assert size == [48, 40]  # an edit keeps the image's size
     assert page.text_content("#error") == ""
+    # Several images are sent as reference images: this model takes one, and the page says so.
+    page.set_input_files("#mask", [])
+    page.set_input_files("#image", [str(src), str(src)])
+    page.click("#generate")
+    page.wait_for_function("document.getElementById('error').textContent !== ''", timeout=60_000)
+    assert "image: 2 images" in page.text_content("#error") and "takes one" in page.text_content("#error")
 
 
 def test_submit_a_job_and_see_it_in_recent_jobs(page, base_url, client):

@@ -39,7 +39,7 @@ BUILTIN_PREFIX = "builtin:"
 BUILTIN_MODELS = (
     "shapes", "tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-flux-kontext", "tiny-wan",
     "tiny-qwen-image", "tiny-qwen-image-edit", "tiny-z-image", "tiny-flux2-klein", "tiny-wan-i2v",
-    "tiny-ltx", "tiny-hunyuan-video", "sd15-arch", "sdxl-arch", "flux-arch",
+    "tiny-ltx", "tiny-hunyuan-video", "sd15-arch", "sdxl-arch", "flux-arch", "ltx-arch",
 )  # fmt: skip
 
 
@@ -291,7 +291,7 @@ class Limits(_Strict):
         ge=1,
         le=16,
         description="Upper bound on an edit's images, the reference images of models that take "
-        "several (each within max_pixels and max_side).",
+        "several (each scaled down to max_pixels and max_side).",
     )
     max_prompts: int = Field(16, ge=1, description="Upper bound on prompts in one batch request.")
     max_prompt_chars: int = Field(4000, ge=1, description="Upper bound on the characters of a prompt.")
@@ -300,7 +300,9 @@ class Limits(_Strict):
         1024 * 1024, ge=1024, description="HTTP request bodies above this get 413 before they are parsed."
     )
     max_upload_bytes: int = Field(
-        16 * 1024 * 1024, ge=1024, description="The same bound for edit requests, which carry images."
+        16 * 1024 * 1024,
+        ge=1024,
+        description="The same bound for requests that carry images: edits and videos.",
     )
     max_input_pixels: int = Field(
         4096 * 4096, ge=64, description="Upper bound on an input image's pixels, read from its header."

@@ -71,6 +71,8 @@ def read_adapter(pipe, path: str) -> dict[str, torch.Tensor]:
 def install_adapter(pipe, name: str, path: str, state: dict[str, torch.Tensor]) -> None:
     """Install adapter `name` into `pipe` from `state` (what `read_adapter` gave for `path`), or
     raise LoraError and leave no part of it installed."""
+    if not hasattr(pipe, "load_lora_weights"):  # no LoRA loader in diffusers (HunyuanVideo 1.5)
+        raise LoraError(f"{path}: {type(pipe).__name__} takes no LoRA adapters")
     before = loaded_adapters(pipe)
     state, magnitudes = dora.split(state)
     try:

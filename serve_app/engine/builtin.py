@@ -358,15 +358,10 @@ def _flux_arch():
     """FLUX.1 shapes: a 12B transformer (19 double-stream and 38 single-stream blocks),
     CLIP ViT-L, a T5-XXL encoder and the 16-channel VAE."""
     from diffusers import AutoencoderKL, FluxPipeline, FluxTransformer2DModel
-    from transformers import T5Config, T5EncoderModel
 
-    tok, t5tok = _tokenizer(), _t5_tokenizer(model_max_length=512)
-    t5 = T5EncoderModel(
-        T5Config(
-            vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
-            feed_forward_proj="gated-gelu", dropout_rate=0.0,
-        )
-    )  # fmt: skip
+    from serve_app.engine.twins_video import t5_xxl
+
+    tok, t5tok, t5 = _tokenizer(), _t5_tokenizer(model_max_length=512), t5_xxl()
     vae = AutoencoderKL(
         block_out_channels=[128, 256, 512, 512],
         down_block_types=["DownEncoderBlock2D"] * 4,
@@ -472,7 +467,7 @@ BUILDERS = {
     "tiny-wan": _tiny_wan,
     **{n: _twin("twins_image", n) for n in ("tiny-qwen-image", "tiny-qwen-image-edit", "tiny-z-image")},
     "tiny-flux2-klein": _twin("twins_image", "tiny-flux2-klein"),
-    **{n: _twin("twins_video", n) for n in ("tiny-wan-i2v", "tiny-ltx", "tiny-hunyuan-video")},
+    **{n: _twin("twins_video", n) for n in ("tiny-wan-i2v", "tiny-ltx", "tiny-hunyuan-video", "ltx-arch")},
     "sd15-arch": _sd15_arch,
     "sdxl-arch": _sdxl_arch,
     "flux-arch": _flux_arch,

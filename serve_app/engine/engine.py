@@ -202,6 +202,7 @@ class DiffusionEngine:
             + (["mask"] if "inpaint" in self.tasks else []),
             "takes_guidance": fam.guidance,
             "reference_images": fam.image_input == "references",
+            "image_input": fam.image_input,
             "embeds_dim": fam.embeds_dim,
             "embeds_tokens": fam.embeds_tokens,
             "pooled_dim": fam.pooled_dim,
@@ -369,7 +370,11 @@ class DiffusionEngine:
         compile again) or CPU offload (its hooks move the whole denoiser per call)."""
         opt = self.cfg.optimizations
         plain = params.acceleration == "none" and params.rollout is None  # a rollout's record is per call
-        return plain and not opt.compile_denoiser and opt.cpu_offload == "none"
+        alone = self.one_request_calls(params)  # its rows share one prompt's images: not a joined seat's
+        return plain and not alone and not opt.compile_denoiser and opt.cpu_offload == "none"
+
+    def one_request_calls(self, params: CallParams) -> bool:
+        return params.task != "generate" and self.family.image_input != "rows"
 
     def open_joined(self, params: CallParams, adapters: tuple[tuple[str, float], ...] = ()) -> JoinedRun:
         """Start a joined run of calls with `params` whose rows all have `adapters` (or none);

@@ -158,10 +158,20 @@ def _encoded_tokens(pipe: Any, device: torch.device) -> int | None:
 
 
 def image_latents(pipe: Any, family: Family, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """The step's latents as (batch, channels, height, width): packed sequences unpacked, and
-    video latents (batch, channels, frames, height, width) reduced to their first frame."""
-    if family.packed_latents and latents.ndim == 3:
-        return type(pipe)._unpack_latents(latents, height, width, pipe.vae_scale_factor)
+    """The step's latents as (batch, channels, height, width): packed sequences unpacked (as
+    the pipeline unpacks them, else laid out on a grid of the image's aspect), and video
+    latents (batch, channels, frames, height, width) reduced to their first frame."""
+    scale = getattr(pipe, "vae_scale_factor", None)
+    if family.packed_latents and latents.ndim == 3 and scale is not None:
+        try:
+            latents = type(pipe)._unpack_latents(latents, height, width, scale)
+        except (TypeError, RuntimeError, ValueError):  # another signature, or another layout
+            pass
+    if latents.ndim == 3:  # (batch, tokens, channels) on a grid
+        tokens = latents.shape[1]
+        rows = max(1, round((tokens * height / width) ** 0.5))
+        rows = rows if tokens % rows == 0 else 1
+        latents = latents.reshape(latents.shape[0], rows, tokens // rows, -1).permute(0, 3, 1, 2)
     if latents.ndim == 5:
         return latents[:, :, 0]
     return latents

@@ -35,6 +35,10 @@ class Engine(Protocol):
     def can_join(self, params: CallParams) -> bool:
         """Whether calls with `params` can run joined (`open_joined`); else they run whole."""
 
+    def one_request_calls(self, params: CallParams) -> bool:
+        """Whether a call with `params` holds one request's rows only (an edit of a model whose
+        call takes one prompt's images: Qwen-Image-Edit's references, Wan's first frame)."""
+
     def open_joined(self, params: CallParams, adapters: tuple[tuple[str, float], ...] = ()) -> JoinedRun:
         """Start a joined call: rows added between denoising steps, each its own pipeline call
         (`JoinedRun.add`), all sharing the denoiser at every step (`JoinedRun.step`)."""

@@ -145,8 +145,6 @@ class Runner:
         its own, and leaves the paused call's record as it found it."""
         if not rows:
             raise ValueError("run() needs at least one row")
-        if self.family.image_input != "rows" and params.task != "generate" and len(rows) > 1:  # a row a call
-            return EngineOutput.concat([self.whole([r], params, step_hook, adapters, inside) for r in rows])
         st = _CallState(t0=time.perf_counter())
         pipe = self._scheduled(self.task_pipes[params.task], params, rows, own=inside)
         if params.rollout is not None:
@@ -290,13 +288,14 @@ class Runner:
         """The call's arguments that depend on its rows and task, not the shared size and steps."""
         fam = self.family
         accepts = self.accepts[params.task]
+        rows, count = _one_prompt(self.pipe, fam, params, rows)
         kwargs = self._text_inputs(rows)
         if params.task != "generate":
             kwargs.update(self._image_inputs(rows, params, accepts))
         if "max_area" in accepts:  # Kontext scales sizes to it
             kwargs["max_area"] = params.height * params.width
         if fam.count_arg:
-            kwargs[fam.count_arg] = 1
+            kwargs[fam.count_arg] = count
         if self.video:
             kwargs["num_frames"] = params.num_frames or self.default_num_frames
         return kwargs
@@ -458,6 +457,17 @@ class JoinedRun:
             self.batch.close()
         finally:
             self._restore()
+
+
+def _one_prompt(pipe, family: Family, params: CallParams, rows: Sequence[Row]) -> tuple[Sequence[Row], int]:
+    """The rows a call passes its pipeline, and how many outputs it asks of each: all rows, one
+    each; or, for an edit of a model whose call takes one prompt's images (`image_input`), the
+    first row and every row's output from it."""
+    if params.task == "generate" or family.image_input == "rows":
+        return rows, 1
+    if len({(r.prompt, r.negative_prompt) for r in rows}) > 1:
+        raise InvalidArguments(f"{type(pipe).__name__} edits one prompt's images a call")
+    return rows[:1], len(rows)
 
 
 class _CallingScheduler:

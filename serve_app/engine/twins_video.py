@@ -91,12 +91,45 @@ def _tiny_ltx():
         vae=vae,
         text_encoder=_t5(t5tok, 32),
         tokenizer=t5tok,
-        scheduler=_flow_scheduler(
-            base_image_seq_len=1024, max_image_seq_len=4096, base_shift=0.95, max_shift=2.05,
-            use_dynamic_shifting=True, shift=1.0,
-        ),
-    )  # fmt: skip
+        scheduler=_ltx_scheduler(),
+    )
     pipe.native_size, pipe.native_num_frames = (64, 64), 9
+    return pipe
+
+
+def _ltx_scheduler():
+    return _flow_scheduler(
+        base_image_seq_len=1024, max_image_seq_len=4096, base_shift=0.95, max_shift=2.05,
+        use_dynamic_shifting=True, shift=1.0,
+    )  # fmt: skip
+
+
+def t5_xxl():
+    """A T5-XXL encoder's shapes (4.8B parameters; random weights)."""
+    from transformers import T5Config, T5EncoderModel
+
+    return T5EncoderModel(
+        T5Config(
+            vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+            feed_forward_proj="gated-gelu", dropout_rate=0.0,
+        )
+    )  # fmt: skip
+
+
+def _ltx_arch():
+    """LTX-Video 0.9 at its real shapes (diffusers' defaults for its transformer and VAE are the
+    released model's; T5-XXL), random weights: a newer family's compute for GPU benchmarks."""
+    from diffusers import AutoencoderKLLTXVideo, LTXPipeline, LTXVideoTransformer3DModel
+
+    t5tok = _t5_tokenizer(model_max_length=128)
+    pipe = LTXPipeline(
+        transformer=LTXVideoTransformer3DModel(),
+        vae=AutoencoderKLLTXVideo(),
+        text_encoder=t5_xxl(),
+        tokenizer=t5tok,
+        scheduler=_ltx_scheduler(),
+    )
+    pipe.native_size, pipe.native_num_frames = (480, 704), 161
     return pipe
 
 

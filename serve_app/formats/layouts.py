@@ -344,8 +344,13 @@ def missing_part(layout: str, keys: list[str]) -> str | None:
 _FAMILY_PREFIXES = (
     ("StableDiffusionXL", "sdxl"),
     ("StableDiffusion3", "sd3"),
+    ("Flux2", "flux2"),
     ("Flux", "flux"),
     ("Wan", "wan"),
+    ("QwenImage", "qwen-image"),
+    ("ZImage", "z-image"),
+    ("LTX", "ltx"),
+    ("HunyuanVideo15", "hunyuan-video"),
 )
 _SD_CLASSES = ("StableDiffusionPipeline", "StableDiffusionImg2ImgPipeline", "StableDiffusionInpaintPipeline")
 

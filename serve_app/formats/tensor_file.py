@@ -24,7 +24,11 @@ _SUFFIX = {SAFETENSORS: "safetensors", NPZ: "npz"}
 
 def wanted(accept: str | None) -> str | None:
     """The tensor file format an `Accept` header asks for, or None (the JSON answer)."""
-    asked = {part.split(";")[0].strip().lower() for part in (accept or "").split(",")}
+    asked = set()
+    for part in (accept or "").split(","):
+        media, *params = (p.strip().lower() for p in part.split(";"))
+        if not any(p.replace(" ", "") in ("q=0", "q=0.0", "q=0.00", "q=0.000") for p in params):
+            asked.add(media)  # `q=0` says "not this one"
     return next((m for m in MEDIA_TYPES if m in asked), None)
 
 

@@ -195,11 +195,8 @@ async def _prepare(
     prompt, loras = take_loras(body.prompt, registered)
     fields: dict[str, Any] = {}
     if isinstance(body, Img2ImgRequest):
-        if len(body.init_images) > 1:
-            raise InvalidRequest(
-                f"init_images: {len(body.init_images)} images; one is taken", param="init_images"
-            )
-        fields = {"image": body.init_images[0], "mask": body.mask, "strength": body.denoising_strength}
+        fields = {"image": body.init_images[0], "references": body.init_images[1:], "mask": body.mask,
+                  "strength": body.denoising_strength}  # fmt: skip
     seed = body.seed if body.seed >= 0 else desk.random_seed()
     try:
         request = GenerationRequest(

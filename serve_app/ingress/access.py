@@ -181,7 +181,8 @@ class BodyLimit:
 
     def _limit(self, scope) -> int | None:
         ingress = servable()
-        if scope.get("path", "").endswith(("/v1/images/edits", "/sdapi/v1/img2img")):  # bodies with images
+        images = ("/v1/images/edits", "/sdapi/v1/img2img", "/v1/videos", "/v1/videos/generations")
+        if scope.get("path", "").endswith(images):  # bodies with images
             return getattr(ingress, "max_upload_bytes", None) or self.max_bytes
         return getattr(ingress, "max_body_bytes", None) or self.max_bytes
 

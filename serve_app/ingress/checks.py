@@ -96,12 +96,21 @@ def check_limits(req: GenerationParams, limits: Limits, prompts: list[str]) -> N
             )
 
 
+# The families whose steps `return_trajectory_decoded` decodes (their VAE decodes one step's
+# latents as it decodes the last: tests/test_rollout.py).
+DECODED_FAMILIES = ("sd", "sdxl", "sd3", "flux")
+
+
 def check_inputs(
     req: GenerationRequest | BatchGenerationRequest, info: ModelDescription, limits: Limits
 ) -> None:
     """What the model's pipeline call takes: a negative prompt, a guidance scale, a text-only
     request (one that starts from an image does not), several images (reference-image models)."""
     refs = getattr(req, "references", [])
+    if req.image is not None and info.image_input != "rows" and len(req.prompts) > 1:
+        raise InvalidRequest(
+            f"prompts: {info.model} ({info.pipeline}) edits one prompt's images at a time", param="prompts"
+        )
     if refs and not info.reference_images:
         raise InvalidRequest(
             f"image: {1 + len(refs)} images; {info.model} ({info.pipeline}) takes one", param="image"
@@ -111,7 +120,7 @@ def check_inputs(
             f"image: {1 + len(refs)} images; at most {limits.max_input_images} (limits.max_input_images)",
             param="image",
         )
-    if req.negative_prompt is not None and "negative_prompt" not in info.inputs:
+    if req.negative_prompt and "negative_prompt" not in info.inputs:  # "" is none
         raise InvalidRequest(
             f"negative_prompt: {info.model} ({info.pipeline}) takes none", param="negative_prompt"
         )

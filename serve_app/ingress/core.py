@@ -22,6 +22,7 @@ from serve_app.config import AppConfig
 from serve_app.errors import DeadlineExceeded, InvalidRequest, ServingError, Unavailable
 from serve_app.ingress.access import AccessPolicy, servable
 from serve_app.ingress.checks import (
+    DECODED_FAMILIES,
     check_edit_steps,
     check_inputs,
     check_limits,
@@ -114,9 +115,10 @@ class Core:
         check_media(request, info, limits)
         sampler = check_sampler(request, info)
         video = info.modality == "video"
-        if video and request.return_trajectory_decoded:
+        if request.return_trajectory_decoded and (video or info.family not in DECODED_FAMILIES):
             raise InvalidRequest(
-                "return_trajectory_decoded: an image model's (a video's steps are not decoded)",
+                "return_trajectory_decoded: an SD, SDXL, SD3 or FLUX.1 model's (a video's and the newer "
+                "families' steps are not decoded)",
                 param="return_trajectory_decoded",
             )
         check_inputs(request, info, limits)

@@ -87,9 +87,15 @@ def output_size(im: Image.Image, limits: Limits) -> tuple[int, int]:
 
 
 def open_references(images: list[bytes], limits: Limits) -> list[Any]:
-    """An edit's reference images after the first, decoded and checked (each within the limits),
-    as RGB at their own sizes: the pipeline fits them itself."""
-    return [to_rgb(open_image(data, "image", limits)) for data in images]
+    """An edit's reference images after the first, decoded and checked, as RGB at their own
+    sizes scaled down to the limits (`max_side`, `max_pixels`) where larger: the pipeline fits
+    them itself."""
+    out = []
+    for data in images:
+        im = to_rgb(open_image(data, "image", limits))
+        w, h = output_size(im, limits)
+        out.append(im if w >= im.width and h >= im.height else im.resize((w, h), Image.Resampling.LANCZOS))
+    return out
 
 
 def prepare_inputs(

@@ -149,37 +149,50 @@ async def video_content(
 
 
 def _still(video: bytes, variant: str) -> tuple[bytes, str]:
-    """A video file's first frame (WebP), or a grid of its frames (JPEG)."""
+    """A video file's first frame (WebP), or a grid of up to 16 of its frames (JPEG)."""
     from PIL import Image
 
-    frames = _frames(video)
     buf = io.BytesIO()
     if variant == "thumbnail":
-        frames[0].save(buf, format="WEBP", quality=90)
+        _frames(video, lambda n: {0})[0].save(buf, format="WEBP", quality=90)
         return buf.getvalue(), "image/webp"
-    step = max(1, math.ceil(len(frames) / _SHEET_FRAMES))
-    picked = frames[::step][:_SHEET_FRAMES]
+    picked = _frames(video, lambda n: set(range(0, n, max(1, math.ceil(n / _SHEET_FRAMES)))))[:_SHEET_FRAMES]
     cols = math.ceil(math.sqrt(len(picked)))
     rows = math.ceil(len(picked) / cols)
     w, h = picked[0].size
     sheet = Image.new("RGB", (cols * w, rows * h))
     for i, im in enumerate(picked):
-        sheet.paste(im.convert("RGB"), ((i % cols) * w, (i // cols) * h))
+        sheet.paste(im, ((i % cols) * w, (i // cols) * h))
     sheet.save(buf, format="JPEG", quality=85)
     return buf.getvalue(), "image/jpeg"
 
 
-def _frames(video: bytes) -> list:
-    """The frames of an MP4 (PyAV) or of an animated WebP or GIF (Pillow), as PIL images."""
-    from PIL import Image, ImageSequence
+def _frames(video: bytes, pick) -> list:
+    """The frames of an MP4 (PyAV) or of an animated WebP or GIF (Pillow) whose indices are in
+    `pick(frame count)`, as RGB PIL images; the others are decoded (an MP4's frames depend on
+    each other) but not kept."""
+    from PIL import Image
 
     if video[4:8] == b"ftyp":  # an MP4 (ISO base media file)
         import av
 
         with av.open(io.BytesIO(video)) as container:
-            return [f.to_image() for f in container.decode(video=0)]
+            stream = container.streams.video[0]
+            n = stream.frames or sum(1 for p in container.demux(stream) if p.size)
+        wanted, out = pick(n), []
+        with av.open(io.BytesIO(video)) as container:
+            for i, frame in enumerate(container.decode(video=0)):
+                if i in wanted:
+                    out.append(frame.to_image().convert("RGB"))
+                if len(out) == len(wanted):
+                    break
+        return out
     with Image.open(io.BytesIO(video)) as im:
-        return [f.convert("RGB") for f in ImageSequence.Iterator(im)]
+        out = []
+        for i in sorted(pick(getattr(im, "n_frames", 1))):
+            im.seek(i)
+            out.append(im.convert("RGB"))
+        return out
 
 
 @router.delete("/v1/videos/{video_id}", response_model=VideoDeleted, responses=ERRORS)

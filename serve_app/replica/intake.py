@@ -86,6 +86,7 @@ def new_job(engine: Engine, request: PreparedRequest, future: asyncio.Future, pr
         rows = [dataclasses.replace(r, adapters=adapters) for r in rows]
     # SDXL treats an absent negative prompt differently from an empty one: keep them apart.
     kinds = (request.negative_prompt is None, *(t is None for t in embeds.values()))
+    kinds = (*kinds, request.request_id) if engine.one_request_calls(params) else kinds  # its own call
     # A joined call runs each request's own pipeline call: steps, guidance, strength, the
     # sampler (each row's call has a scheduler of its own) and the outputs asked for may differ
     # between the requests that share its denoiser.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from serve_app import metrics
@@ -19,6 +20,8 @@ from serve_app.schemas import (
     Trajectory,
 )
 
+logger = logging.getLogger("ray.serve")
+
 
 def step_hook(batch: list[Job], loop: asyncio.AbstractEventLoop):
     """Runs on the engine thread after every step: progress, previews, and the stop signal.
@@ -34,9 +37,12 @@ def step_hook(batch: list[Job], loop: asyncio.AbstractEventLoop):
             if job.listeners and job.state == "running":
                 preview = None
                 if job.preview_every and ((i + 1) % job.preview_every == 0 or i + 1 == total):
-                    if seen is None:  # once per step, for every job that wants a preview
-                        seen = latents() if callable(latents) else latents
-                    preview = latents_preview(seen[start : start + n])
+                    try:  # a preview is a look, never a reason for the request to fail
+                        if seen is None:  # once per step, for every job that wants a preview
+                            seen = latents() if callable(latents) else latents
+                        preview = latents_preview(seen[start : start + n])
+                    except Exception as e:
+                        logger.warning("no preview at step %d: %s: %s", i + 1, type(e).__name__, e)
                 event = StepEvent(
                     request_id=job.request_id,
                     step=i + 1,

@@ -184,13 +184,16 @@ class Txt2ImgRequest(_A1111Common):
 
 
 class Img2ImgRequest(_A1111Common):
-    """Body of `POST /sdapi/v1/img2img`: `init_images` (one, base64 or a data URL), and a `mask`
-    (white where to paint) for inpainting."""
+    """Body of `POST /sdapi/v1/img2img`: `init_images` (base64 or data URLs: one, or several for
+    a model that takes reference images), and a `mask` (white where to paint) for inpainting."""
 
     model_config = ConfigDict(json_schema_extra=lambda schema: _declared(schema, _IMG2IMG_RULES))
 
     init_images: list[str] = Field(
-        min_length=1, description="The image to remake (one).", json_schema_extra={"maxItems": 1}
+        min_length=1,
+        max_length=16,
+        description="The image to remake; several for a model that takes reference images (the first is "
+        "fitted to the size).",
     )
     mask: str | None = Field(None, description="Base64 image: white where to paint (inpainting).")
     include_init_images: bool = False

@@ -254,6 +254,7 @@ class ModelDescription(BaseModel):
     inputs: list[str] = Field(default_factory=lambda: ["prompt", "negative_prompt"])
     takes_guidance: bool = True  # False: its guider component guides (HunyuanVideo 1.5)
     reference_images: bool = False  # an edit takes several images of one prompt
+    image_input: str = "rows"  # "references", "one": an edit call takes one prompt's images
     embeds_dim: int | None = None
     embeds_tokens: int | None = None
     pooled_dim: int | None = None
