@@ -149,6 +149,8 @@ def test_img2img_and_inpainting(client):
     assert "not an image" in a1111_error(bad, 400, "init_images")
     two = client.post("/sdapi/v1/img2img", json={**body, "init_images": [image, image]})
     a1111_error(two, 400, "init_images")
+    second = client.post("/sdapi/v1/img2img", json={**body, "init_images": [image, "not base64!"]})
+    assert a1111_error(second, 400, "init_images").startswith("init_images.1: must be base64")
 
 
 def test_a_lora_tag_applies_a_registered_adapter(client):

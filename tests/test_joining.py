@@ -121,7 +121,9 @@ def test_what_cannot_join_runs_in_whole_calls():
     # A compiled denoiser and CPU offload (CUDA only: the settings alone, on an engine's place).
     for opt in ({"compile_denoiser": True}, {"cpu_offload": "model"}):
         cfg = ModelConfig(source="builtin:tiny-sd", optimizations=opt)
-        assert not DiffusionEngine.can_join(SimpleNamespace(cfg=cfg), plain)
+        assert not DiffusionEngine.can_join(
+            SimpleNamespace(cfg=cfg, one_request_calls=lambda p: False), plain
+        )
 
 
 def test_a_row_stopped_by_its_hook_ends_at_once_and_the_others_finish(engines):

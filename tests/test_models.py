@@ -208,6 +208,7 @@ def test_a_model_not_ready_is_a_503_for_it_alone(multi, client):
 
 def test_status_and_metrics_carry_the_model(multi, client, base_url):
     post(client, "shapes")
+    post(client, "sd")  # a series of each, fresh (an earlier test's may have aged out of the export)
     st = client.get(f"{P}/v1/status").json()
     assert st["model"] == "sd"
     models = {m["model"]: m for m in st["models"]}

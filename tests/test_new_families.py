@@ -323,3 +323,51 @@ def test_streamed_previews_of_every_new_family(fam, client, model):
             json={"model": model, "prompt": "a", "return_trajectory_decoded": True},
         )
         refused(bad, "return_trajectory_decoded")
+
+
+@pytest.mark.parametrize("model", ["qwen-image", "z-image", "flux2-klein", "ltx", "hunyuan-video"])
+def test_every_sampler_a_new_family_offers_runs(fam, client, model):
+    """The card's samplers are the ones the pipeline can step with (LTX-Video hands its scheduler
+    sigmas, so a scheduler that takes none is not offered); each makes its own image."""
+    card = next(c for c in client.get(f"{P}/v1/models").json()["data"] if c["id"] == model)
+    names = [s["name"] for s in card["samplers"]]
+    assert names and names[0] == card["default_sampler"], card["samplers"]
+    video = model in ("ltx", "hunyuan-video")
+    url = f"{P}/v1/videos/generations" if video else f"{P}/v1/images/generations"
+    made = []
+    for name in names:
+        r = client.post(
+            url,
+            json={"model": model, "prompt": "a cat", "seed": 1, "num_inference_steps": 3, "sampler": name},
+        )
+        assert r.status_code == 200, (name, r.text)
+        made.append(r.json()["data"][0]["b64_json"])
+    assert len(set(made)) == len(made)
+    if model == "ltx":
+        assert "DPM++ 2M" not in names
+
+
+@pytest.mark.parametrize("model", ["qwen-image", "flux2-klein", "ltx"])
+def test_prompt_embeddings_by_handle_on_a_new_family(fam, client, model):
+    """Where the card lists `prompt_embeds`, a handle caller's embeddings of its shape make an
+    image (LTX-Video's call also wants their attention mask: every token counts); a wrong shape
+    is an InvalidRequest naming the field."""
+    import torch
+    from ray import serve
+
+    from serve_app.errors import InvalidRequest
+    from serve_app.schemas import GenerationRequest, TensorPayload
+
+    card = next(c for c in client.get(f"{P}/v1/models").json()["data"] if c["id"] == model)
+    assert "prompt_embeds" in card["inputs"]
+    shape = card["embeds_shapes"]["prompt_embeds"]
+    emb = TensorPayload.from_tensor(torch.randn(*shape, generator=torch.Generator().manual_seed(0)))
+    handle = serve.get_app_handle(APP)
+    made = handle.generate.remote(
+        GenerationRequest(model=model, seed=3, num_inference_steps=2, prompt_embeds=emb)
+    ).result()
+    assert len(made.images) == 1 and made.model == model
+    with pytest.raises(InvalidRequest) as e:
+        wrong = TensorPayload.from_tensor(torch.randn(1, 3, shape[2] + 1))
+        handle.generate.remote(GenerationRequest(model=model, prompt_embeds=wrong)).result()
+    assert e.value.param == "prompt_embeds"

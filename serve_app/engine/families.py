@@ -89,7 +89,9 @@ def describe_pipeline(pipe: Any, denoiser: torch.nn.Module) -> Family:
     count_arg = next((a for a in ("num_images_per_prompt", "num_videos_per_prompt") if a in params), None)
     embeds_dim = None
     if "prompt_embeds" in params:
-        dims = (_setting(denoiser, k) for k in ("cross_attention_dim", "joint_attention_dim", "text_dim"))
+        # LTX's transformer projects `caption_channels`-wide embeddings to its cross-attention width.
+        keys = ("caption_channels", "cross_attention_dim", "joint_attention_dim", "text_dim")
+        dims = (_setting(denoiser, k) for k in keys)
         embeds_dim = next((d for d in dims if d), None)
         if isinstance(embeds_dim, list | tuple):
             embeds_dim = embeds_dim[0]

@@ -25,7 +25,7 @@ from serve_app.engine.media import encode_image
 from serve_app.engine.memory import PeakMemory
 from serve_app.engine.rollout import RolloutRecord, RolloutScheduler, noise_seed
 from serve_app.engine.safety import withhold_flagged
-from serve_app.engine.schedulers import Schedulers, seed_noise
+from serve_app.engine.schedulers import CallingScheduler, Schedulers, seed_noise
 from serve_app.engine.step_cache import NoCache, step_cache
 from serve_app.engine.types import CallParams, EngineOutput, InvalidArguments, Row, StepHook
 
@@ -230,7 +230,7 @@ class Runner:
             kwargs.update(callback_on_step_end=on_step_end, callback_on_step_end_tensor_inputs=["latents"])
         else:  # a pipeline without step callbacks (HunyuanVideo 1.5): its scheduler calls it
             pipe = copy.copy(pipe)
-            pipe.__dict__["scheduler"] = _CallingScheduler(pipe.scheduler, pipe, on_step_end)
+            pipe.__dict__["scheduler"] = CallingScheduler(pipe.scheduler, pipe, on_step_end)
         try:
             out = pipe(
                 **kwargs,
@@ -289,7 +289,7 @@ class Runner:
         fam = self.family
         accepts = self.accepts[params.task]
         rows, count = _one_prompt(self.pipe, fam, params, rows)
-        kwargs = self._text_inputs(rows)
+        kwargs = _with_masks(self._text_inputs(rows), accepts)
         if params.task != "generate":
             kwargs.update(self._image_inputs(rows, params, accepts))
         if "max_area" in accepts:  # Kontext scales sizes to it
@@ -459,6 +459,16 @@ class JoinedRun:
             self._restore()
 
 
+def _with_masks(kwargs: dict[str, Any], accepts: frozenset[str]) -> dict[str, Any]:
+    """A caller's embeddings with the attention masks a pipeline wants beside them (LTX-Video's):
+    every token of them counts."""
+    for name, mask in (("prompt_embeds", "prompt_attention_mask"),
+                       ("negative_prompt_embeds", "negative_prompt_attention_mask")):  # fmt: skip
+        if name in kwargs and mask in accepts:
+            kwargs[mask] = torch.ones(kwargs[name].shape[:2], dtype=torch.long, device=kwargs[name].device)
+    return kwargs
+
+
 def _one_prompt(pipe, family: Family, params: CallParams, rows: Sequence[Row]) -> tuple[Sequence[Row], int]:
     """The rows a call passes its pipeline, and how many outputs it asks of each: all rows, one
     each; or, for an edit of a model whose call takes one prompt's images (`image_input`), the
@@ -468,26 +478,3 @@ def _one_prompt(pipe, family: Family, params: CallParams, rows: Sequence[Row]) -
     if len({(r.prompt, r.negative_prompt) for r in rows}) > 1:
         raise InvalidArguments(f"{type(pipe).__name__} edits one prompt's images a call")
     return rows[:1], len(rows)
-
-
-class _CallingScheduler:
-    """A call's scheduler that calls the step-end callback after each of its steps, with the
-    step's result as the latents: the step hooks (events, previews, abort, trajectories) of a
-    pipeline whose call takes no `callback_on_step_end`. Anything else is the scheduler's own."""
-
-    def __init__(self, inner, pipe, callback):
-        self.__dict__.update(inner=inner, pipe=pipe, callback=callback, steps=0)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def __setattr__(self, name, value):
-        setattr(self.inner, name, value)
-
-    def step(self, model_output, timestep, sample, *args, **kwargs):
-        out = self.inner.step(model_output, timestep, sample, *args, **kwargs)
-        latents = out[0] if isinstance(out, tuple) else out.prev_sample
-        i = self.__dict__["steps"]
-        self.__dict__["steps"] = i + 1
-        self.callback(self.pipe, i, timestep, {"latents": latents})
-        return out

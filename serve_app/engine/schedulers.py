@@ -6,9 +6,10 @@ model: flow-matching models (SD3, FLUX, Wan) get the flow samplers with their sh
 resolution-dependent shifting), the others get the discrete-schedule samplers that take their
 noise schedule (a zero-terminal-SNR model only those that can rescale to it). A model whose
 scheduler the catalogue does not know (an LCM, a consistency model) offers only its own.
-Pipelines that may hand the scheduler sigmas of their own (FLUX) get only the flow samplers
+Pipelines that may hand the scheduler sigmas of their own (FLUX, LTX-Video) get only the flow samplers
 that take them, and flow-matching image-to-image and inpainting pipelines, which noise their
-input with the scheduler's `scale_noise`, only those that have it.
+input with the scheduler's `scale_noise`, only those that have it. `CallingScheduler` steps a
+call's scheduler for a pipeline whose call takes no step callback, and calls it itself.
 """
 
 from __future__ import annotations
@@ -50,6 +51,17 @@ def _is_flow(config: dict[str, Any], cls_name: str) -> bool:
     )
 
 
+def _hands_sigmas(pipe) -> bool:
+    """Whether the pipeline sets its scheduler's timesteps from sigmas: it takes `sigmas`, or its
+    call hands them over itself (LTX-Video's)."""
+    if "sigmas" in inspect.signature(pipe.__call__).parameters:
+        return True
+    try:
+        return "sigmas=" in inspect.getsource(type(pipe).__call__)
+    except (OSError, TypeError):  # no source at hand: take the signature's word
+        return False
+
+
 def _schedule_of(config: dict[str, Any]) -> str | None:
     return next((s for s, flag in SIGMA_SCHEDULES.items() if config.get(flag)), None)
 
@@ -70,7 +82,7 @@ class Schedulers:
         name = type(base).__name__
         self.flow = _is_flow(self._config, name)
         self.model = f"{model} (a flow-matching model)" if self.flow else model  # as messages name it
-        hands_sigmas = any("sigmas" in inspect.signature(p.__call__).parameters for p in task_pipes.values())
+        hands_sigmas = any(_hands_sigmas(p) for p in task_pipes.values())
         self._needs = {
             "sigmas": self.flow and hands_sigmas,
             "scale_noise": self.flow and bool({"img2img", "inpaint"} & set(task_pipes)),
@@ -155,3 +167,26 @@ def seed_noise(scheduler, rows: list[Row]) -> None:
     one tree per row from its seed, so that an image depends on its own seed alone."""
     if hasattr(scheduler, "noise_sampler_seed"):
         scheduler.noise_sampler_seed = [r.seed for r in rows]
+
+
+class CallingScheduler:
+    """A call's scheduler that calls the step-end callback after each of its steps, with the
+    step's result as the latents: the step hooks (events, previews, abort, trajectories) of a
+    pipeline whose call takes no `callback_on_step_end`. Anything else is the scheduler's own."""
+
+    def __init__(self, inner, pipe, callback):
+        self.__dict__.update(inner=inner, pipe=pipe, callback=callback, steps=0)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __setattr__(self, name, value):
+        setattr(self.inner, name, value)
+
+    def step(self, model_output, timestep, sample, *args, **kwargs):
+        out = self.inner.step(model_output, timestep, sample, *args, **kwargs)
+        latents = out[0] if isinstance(out, tuple) else out.prev_sample
+        i = self.__dict__["steps"]
+        self.__dict__["steps"] = i + 1
+        self.callback(self.pipe, i, timestep, {"latents": latents})
+        return out

@@ -67,6 +67,9 @@ _TAG = re.compile(r"<lora:([^<>]*)>", re.IGNORECASE)
 
 def a1111_error(err: ServingError) -> ServingError:
     """`err` with A1111's name for its field, in `param` and at the head of the message."""
+    if m := re.fullmatch(r"references\.(\d+)", err.param or ""):  # the images after the first
+        err.message = f"init_images.{int(m.group(1)) + 1}" + err.message.removeprefix(err.param)
+        err.param = "init_images"
     for ours, theirs in _A1111_NAMES.items():
         if err.message.startswith(f"{ours}:"):
             err.message = theirs + err.message[len(ours) :]
