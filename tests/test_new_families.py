@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from tests.conftest import SESSION_DIR, TEST_ARGS, deploy, replica_ids
-from tests.test_edits import picture, up
+from tests.test_edits import picture, png, up
 
 pytestmark = pytest.mark.slow  # an application of seven models
 APP = "fam26"
@@ -49,12 +49,6 @@ def fam(ray_cluster):
     deploy(APP, args)
     yield P
     serve.delete(APP, _blocking=False)
-
-
-def png(im: Image.Image) -> bytes:
-    buf = io.BytesIO()
-    im.save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def generate(client, **body):

@@ -106,7 +106,7 @@ def check_inputs(
 ) -> None:
     """What the model's pipeline call takes: a negative prompt, a guidance scale, a text-only
     request (one that starts from an image does not), several images (reference-image models)."""
-    refs = getattr(req, "references", [])
+    refs = req.references
     if req.image is not None and info.image_input != "rows" and len(req.prompts) > 1:
         raise InvalidRequest(
             f"prompts: {info.model} ({info.pipeline}) edits one prompt's images at a time", param="prompts"

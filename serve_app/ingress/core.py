@@ -131,7 +131,7 @@ class Core:
             request = request.model_copy(update={"width": width, "height": height})
             check_limits(request, limits, request.prompts)  # the size it took from the image
             image, mask = PixelPayload.from_pil(rgb), PixelPayload.from_pil(m) if m is not None else None
-            refs = await asyncio.to_thread(open_references, getattr(request, "references", []), limits)
+            refs = await asyncio.to_thread(open_references, request.references, limits)
         elif request.strength is not None:
             raise InvalidRequest("strength: only an edit (with an image) takes it", param="strength")
         prepared = PreparedRequest.from_request(
