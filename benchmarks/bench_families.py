@@ -5,7 +5,7 @@
     python benchmarks/bench_families.py --models ltx-arch --device cuda --steps 8 --rounds 3  # real shapes
 
 One app serves one twin per family (Qwen-Image, Qwen-Image-Edit-2509 with two reference
-images, Z-Image, FLUX.2 [klein], Wan 2.2 image-to-video, LTX-Video, HunyuanVideo 1.5), or a
+images, Z-Image, FLUX.2 [klein] and [dev], Wan 2.2 image-to-video, LTX-Video, HunyuanVideo 1.5), or a
 `-arch` model at its real shapes (`ltx-arch`: random weights, no download), each model one
 replica. Per family, interleaved rounds of: a request over HTTP (the image routes, the
 edit form, `/v1/videos/generations` with `input_reference`), and the same call to the diffusers
@@ -27,8 +27,8 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 from common import parser, start_app, stop_app, write_json  # noqa: E402
 
 # One twin per family, served under its name without `tiny-`.
-TWINS = ("tiny-qwen-image", "tiny-qwen-image-edit", "tiny-z-image", "tiny-flux2-klein", "tiny-wan-i2v",
-         "tiny-ltx", "tiny-hunyuan-video")  # fmt: skip
+TWINS = ("tiny-qwen-image", "tiny-qwen-image-edit", "tiny-z-image", "tiny-flux2-klein", "tiny-flux2",
+         "tiny-wan-i2v", "tiny-ltx", "tiny-hunyuan-video")  # fmt: skip
 
 
 def _png(im) -> bytes:

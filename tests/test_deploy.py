@@ -60,6 +60,7 @@ def test_presets_cover_the_model_families():
         "Qwen-Image-Edit",
         "Z-Image",
         "FLUX.2-klein",
+        "FLUX.2-dev",
         "Wan2.2-I2V",
         "LTX-Video",
         "HunyuanVideo-1.5",

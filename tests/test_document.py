@@ -128,6 +128,10 @@ def test_a_405_names_every_method_of_its_path(app):
     assert r.json()["error"]["code"] == 405  # the project's error body
     assert c.request("TRACE", "/live").headers["allow"] == "GET, HEAD"
     assert c.options("/v1/images/generations").headers["allow"] == "POST"
+    # A route's own path is that resource for every method: no templated route takes it over.
+    for method in ("GET", "DELETE", "HEAD"):
+        r = c.request(method, "/v1/videos/generations")
+        assert r.status_code == 405 and r.headers["allow"] == "POST", (method, r.status_code, r.text)
 
 
 def test_head_is_get_without_the_body(app):

@@ -326,6 +326,46 @@ def test_a_job_just_stored_is_not_resumed_before_its_lease_is_written(tmp_path):
     assert resumed == {"job_" + "a" * 32: 1, "job_" + "b" * 32: 2}, resumed  # attempt 1: not taken
 
 
+def test_a_job_deleted_while_its_result_is_stored_leaves_no_files(tmp_path):
+    """A DELETE (or a prune) that removes the record while the runner is still writing the
+    result's files: once the runner sees the record gone, the files it wrote go too, rather than
+    waiting for retention."""
+    from serve_app.config import JobsConfig
+    from serve_app.jobs import JobRunner
+    from serve_app.schemas import GenerationResult, PreparedRequest, StageMetrics, StepEvent
+
+    store = Store(str(tmp_path / "s"))
+    cfg = JobsConfig(store=str(tmp_path / "s"), lease_s=30)
+    job_id = "job_" + "c" * 32
+    made = GenerationResult(request_id="r", model="m", images=[b"\x89PNG" + b"\0" * 64], seeds=[1],
+                            prompt_index=[0], metrics=StageMetrics(steps=2), peak_memory_mb=0.0)  # fmt: skip
+
+    async def stream(request):
+        yield StepEvent(request_id="r", step=1, total_steps=2, elapsed_ms=1.0)
+        store.delete(job_id)  # the DELETE lands between the last step and the result
+        yield made
+
+    async def nothing(_):
+        return None
+
+    async def scenario():
+        runner = JobRunner(store, cfg, stream, nothing, lambda job: job)
+        prepared = PreparedRequest(request_id="r", prompts=["a"], height=32, width=32, num_inference_steps=2,
+                                   guidance_scale=1.0, seed=1, num_images=1, output_format="png",
+                                   negative_prompt=None)  # fmt: skip
+        job = JobRecord(id=job_id, route="r", model="m", state="queued", created_at=time.time(),
+                        request_id="r", output_format="png")  # fmt: skip
+        assert await runner.submit(job, prepared) is job
+        await runner.tasks[job_id]
+        if runner._loop_task is not None:
+            runner._loop_task.cancel()
+        return job
+
+    job = asyncio.run(scenario())
+    assert job.outputs, "the result's files were written"
+    assert store.load_job(job_id) is None and job_id not in store.keys(), store.keys()
+
+
 def test_the_event_stream_sends_every_step_when_the_job_ends_while_it_is_sending():
     """The runner changes the very record the stream reads. A job that runs its last steps
     and ends while the stream is sending an earlier step still gets a step event per step,

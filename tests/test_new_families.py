@@ -1,6 +1,6 @@
-"""The families of issue 56 through the whole system: one application serving the seven new twins
-(Qwen-Image and its edit model, Z-Image, FLUX.2 [klein], Wan 2.2 image-to-video, LTX-Video,
-HunyuanVideo 1.5), each the real diffusers pipeline at toy size, called over HTTP (and the
+"""The families of issue 56 through the whole system: one application serving the eight new twins
+(Qwen-Image and its edit model, Z-Image, FLUX.2 [klein] and [dev], Wan 2.2 image-to-video,
+LTX-Video, HunyuanVideo 1.5), each the real diffusers pipeline at toy size, called over HTTP (and the
 image-to-video one through OpenAI's SDK): each task it offers, and each input it does not take
 refused with a 400 naming the field."""
 
@@ -18,7 +18,7 @@ from PIL import Image
 from tests.conftest import SESSION_DIR, TEST_ARGS, deploy, replica_ids
 from tests.test_edits import picture, png, up
 
-pytestmark = pytest.mark.slow  # an application of seven models
+pytestmark = pytest.mark.slow  # an application of eight models
 APP = "fam26"
 P = f"/{APP}"
 MODELS = {
@@ -26,6 +26,7 @@ MODELS = {
     "qwen-image-edit": "tiny-qwen-image-edit",
     "z-image": "tiny-z-image",
     "flux2-klein": "tiny-flux2-klein",
+    "flux2": "tiny-flux2",
     "wan-i2v": "tiny-wan-i2v",
     "ltx": "tiny-ltx",
     "hunyuan-video": "tiny-hunyuan-video",
@@ -77,6 +78,7 @@ def test_the_cards_say_each_family_and_what_it_does(fam, client):
         "qwen-image-edit": ["edit"],
         "z-image": ["generate", "img2img", "inpaint"],
         "flux2-klein": ["generate", "edit"],
+        "flux2": ["generate", "edit"],
         "wan-i2v": ["edit"],
         "ltx": ["generate"],
         "hunyuan-video": ["generate"],
@@ -88,7 +90,7 @@ def test_the_cards_say_each_family_and_what_it_does(fam, client):
     ]
 
 
-@pytest.mark.parametrize("model", ["qwen-image", "z-image", "flux2-klein"])
+@pytest.mark.parametrize("model", ["qwen-image", "z-image", "flux2-klein", "flux2"])
 def test_a_new_image_family_generates_each_seed_reproducibly(fam, client, model):
     """Image k of a request is its seed's (to rounding: a batched call's arithmetic differs a
     little from a single one's), and two seeds make two images."""
@@ -155,8 +157,9 @@ def test_qwen_image_edit_takes_three_reference_images_and_each_one_counts(fam, c
     )
 
 
-def test_flux2_klein_edits_from_references_and_refuses_a_negative_prompt(fam, client):
-    data = {"model": "flux2-klein", "prompt": "a cat", "seed": 1}
+@pytest.mark.parametrize("model", ["flux2-klein", "flux2"])
+def test_flux2_edits_from_references_and_refuses_a_negative_prompt(fam, client, model):
+    data = {"model": model, "prompt": "a cat", "seed": 1}
     r = client.post(
         f"{P}/v1/images/edits", files=[("image[]", up(picture(64, s))) for s in (1, 2)], data=data
     )
@@ -165,6 +168,9 @@ def test_flux2_klein_edits_from_references_and_refuses_a_negative_prompt(fam, cl
     assert r.json()["data"][0]["b64_json"] != plain  # the references count
     bad = client.post(f"{P}/v1/images/generations", json={**data, "negative_prompt": "dogs"})
     assert "takes none" in refused(bad, "negative_prompt")
+    if model == "flux2":  # [dev] is guidance-distilled: the scale is an input of its transformer
+        other = generate(client, **data, guidance_scale=1.5)["data"][0]["b64_json"]
+        assert other != plain
 
 
 def test_ltx_and_hunyuan_make_videos_at_their_frame_rules(fam, client):
@@ -319,7 +325,7 @@ def test_streamed_previews_of_every_new_family(fam, client, model):
         refused(bad, "return_trajectory_decoded")
 
 
-@pytest.mark.parametrize("model", ["qwen-image", "z-image", "flux2-klein", "ltx", "hunyuan-video"])
+@pytest.mark.parametrize("model", ["qwen-image", "z-image", "flux2-klein", "flux2", "ltx", "hunyuan-video"])
 def test_every_sampler_a_new_family_offers_runs(fam, client, model):
     """The card's samplers are the ones the pipeline can step with (LTX-Video hands its scheduler
     sigmas, so a scheduler that takes none is not offered); each makes its own image."""
@@ -341,7 +347,7 @@ def test_every_sampler_a_new_family_offers_runs(fam, client, model):
         assert "DPM++ 2M" not in names
 
 
-@pytest.mark.parametrize("model", ["qwen-image", "flux2-klein", "ltx"])
+@pytest.mark.parametrize("model", ["qwen-image", "flux2-klein", "flux2", "ltx"])
 def test_prompt_embeddings_by_handle_on_a_new_family(fam, client, model):
     """Where the card lists `prompt_embeds`, a handle caller's embeddings of its shape make an
     image (LTX-Video's call also wants their attention mask: every token counts); a wrong shape

@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from serve_app.config import ModelConfig
 from serve_app.engine import CallParams, DiffusionEngine, ModelLoadError, Row
 from serve_app.engine.builtin import build_builtin
+from serve_app.engine.engine import find_denoiser
 from serve_app.formats.layouts import checkpoint_layout
 from serve_app.formats.single_file_load import write_configs
 from serve_app.formats.single_file_write import write_single_file
@@ -30,6 +31,7 @@ from tests.conftest import app_args, engine_cache, replica_ids
 from tests.conftest import deploy as deploy_app
 
 PROMPT = "a red circle"
+NEWER = ("tiny-qwen-image", "tiny-z-image", "tiny-flux2", "tiny-ltx")  # families loaded from directories only
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +49,11 @@ def files(tmp_path_factory):
     torch.save({"weight": torch.zeros(2)}, root / "pickle.safetensors")
     torch.save({"weight": torch.zeros(2)}, root / "old.ckpt")
     save_file(build_builtin("tiny-sd").unet.state_dict(), str(root / "unet-only.safetensors"))
+    for twin in NEWER:  # the newer families' denoisers as ComfyUI's files have them, prefixed or not
+        state = find_denoiser(build_builtin(twin)).state_dict()
+        save_file({k: v.contiguous() for k, v in state.items()}, str(root / f"{twin}.safetensors"))
+        save_file({"model.diffusion_model." + k: v.contiguous() for k, v in state.items()},
+                  str(root / f"{twin}-comfy.safetensors"))  # fmt: skip
     unet = "model.diffusion_model."
     for name, keys in (  # headers of the other layouts
         ("sd2", [unet + "input_blocks.0.0.weight", "cond_stage_model.model.ln_final.weight"]),
@@ -148,6 +155,20 @@ def test_a_single_file_makes_the_images_of_the_pipeline_it_was_written_from(file
     finally:
         for e in (twin, other, seed1):
             e.close()
+
+
+@pytest.mark.parametrize("twin", NEWER)
+@pytest.mark.parametrize("suffix", ["", "-comfy"])
+def test_a_newer_family_s_single_file_is_refused_naming_it(files, twin, suffix):
+    """Single files are loaded in the layouts this server converts (SD 1.x, SDXL, SD3, FLUX,
+    Wan); a newer family's transformer file, even with its pipeline's configs, fails the start
+    naming the file and the layouts that load, not with a half-loaded model."""
+    name = f"{twin}{suffix}.safetensors"
+    with pytest.raises(ModelLoadError) as e:
+        engine(files / name, f"builtin:{twin}")
+    text = str(e.value)
+    assert name in text and "of no checkpoint layout this server knows" in text, text
+    assert "SD 1.x, SDXL, SD3, FLUX, Wan layouts only" in text or "Stable Diffusion 1.x" in text, text
 
 
 @pytest.mark.parametrize(

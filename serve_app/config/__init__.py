@@ -38,8 +38,8 @@ BUILTIN_PREFIX = "builtin:"
 # Names accepted after `builtin:`; the builders live in serve_app/engine/builtin.py.
 BUILTIN_MODELS = (
     "shapes", "tiny-sd", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-flux-kontext", "tiny-wan",
-    "tiny-qwen-image", "tiny-qwen-image-edit", "tiny-z-image", "tiny-flux2-klein", "tiny-wan-i2v",
-    "tiny-ltx", "tiny-hunyuan-video", "sd15-arch", "sdxl-arch", "flux-arch", "ltx-arch",
+    "tiny-qwen-image", "tiny-qwen-image-edit", "tiny-z-image", "tiny-flux2-klein", "tiny-flux2",
+    "tiny-wan-i2v", "tiny-ltx", "tiny-hunyuan-video", "sd15-arch", "sdxl-arch", "flux-arch", "ltx-arch",
 )  # fmt: skip
 
 

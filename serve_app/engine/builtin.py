@@ -466,7 +466,7 @@ BUILDERS = {
     "tiny-flux-kontext": _tiny_flux_kontext,
     "tiny-wan": _tiny_wan,
     **{n: _twin("twins_image", n) for n in ("tiny-qwen-image", "tiny-qwen-image-edit", "tiny-z-image")},
-    "tiny-flux2-klein": _twin("twins_image", "tiny-flux2-klein"),
+    **{n: _twin("twins_image", n) for n in ("tiny-flux2-klein", "tiny-flux2")},
     **{n: _twin("twins_video", n) for n in ("tiny-wan-i2v", "tiny-ltx", "tiny-hunyuan-video", "ltx-arch")},
     "sd15-arch": _sd15_arch,
     "sdxl-arch": _sdxl_arch,

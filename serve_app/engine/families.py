@@ -29,6 +29,7 @@ _LABELS = {
     "QwenImageEditPlusPipeline": "qwen-image",
     "ZImagePipeline": "z-image",
     "Flux2KleinPipeline": "flux2",
+    "Flux2Pipeline": "flux2",
     "LTXPipeline": "ltx",
     "HunyuanVideo15Pipeline": "hunyuan-video",
 }

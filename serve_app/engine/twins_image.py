@@ -1,9 +1,9 @@
 """Embedded twins of the image families of 2025-26, each the real diffusers pipeline at toy size
 with seeded random weights (issue 56): `tiny-qwen-image` (Qwen-Image), `tiny-qwen-image-edit`
-(Qwen-Image-Edit-2509: several reference images), `tiny-z-image` (Z-Image-Turbo) and
-`tiny-flux2-klein` (FLUX.2 [klein]); and the Qwen2-family tokenizer they and HunyuanVideo 1.5
-share, generated in memory. Builders draw from torch's generator as `builtin.build_builtin`
-seeded it."""
+(Qwen-Image-Edit-2509: several reference images), `tiny-z-image` (Z-Image-Turbo),
+`tiny-flux2-klein` (FLUX.2 [klein]) and `tiny-flux2` (FLUX.2 [dev]: Mistral Small 3's text
+encoder); and the byte-level tokenizers they and HunyuanVideo 1.5 use, generated in memory.
+Builders draw from torch's generator as `builtin.build_builtin` seeded it."""
 
 from __future__ import annotations
 
@@ -96,19 +96,24 @@ def _bpe_merges(pre_tokenizer, texts, specials):
         words = Counter(merged)
 
 
-@functools.cache
-def _qwen_vocab():
+def _bpe_vocab(texts, specials):
+    """A byte-level BPE's vocabulary and merges: every byte, the merges that make each word of
+    `texts` one token, then the special tokens."""
     from tokenizers import pre_tokenizers
     from transformers import Qwen2Tokenizer
 
-    pre = Qwen2Tokenizer()._tokenizer.pre_tokenizer
-    merges = _bpe_merges(pre, _QWEN_TEMPLATES + (_hunyuan_system_message(),), _QWEN_SPECIALS)
+    merges = _bpe_merges(Qwen2Tokenizer()._tokenizer.pre_tokenizer, texts, specials)
     vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
     for a, b in merges:
         vocab.setdefault(a + b, len(vocab))
-    for s in _QWEN_SPECIALS:
+    for s in specials:
         vocab[s] = len(vocab)
     return vocab, merges
+
+
+@functools.cache
+def _qwen_vocab():
+    return _bpe_vocab(_QWEN_TEMPLATES + (_hunyuan_system_message(),), _QWEN_SPECIALS)
 
 
 def _qwen_tokenizer(model_max_length: int = 32768):
@@ -308,12 +313,34 @@ def _tiny_z_image():
     return pipe
 
 
+def _flux2_vae():
+    """FLUX.2's VAE at toy size: 8x down, 32 latent channels (patchified 2x2 to 128)."""
+    from diffusers import AutoencoderKLFlux2
+
+    return AutoencoderKLFlux2(
+        block_out_channels=(8, 8, 8, 8),
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        layers_per_block=1,
+        latent_channels=32,
+        norm_num_groups=4,
+        sample_size=64,
+    )
+
+
+def _flux2_scheduler():
+    return _flow_scheduler(
+        base_image_seq_len=256, max_image_seq_len=4096, base_shift=0.5, max_shift=1.15,
+        use_dynamic_shifting=True, shift=3.0,
+    )  # fmt: skip
+
+
 def _tiny_flux2_klein():
     """FLUX.2-klein-4B shaped (step-distilled, `is_distilled=True`): the prompt is the Qwen3
     hidden states of layers 9, 18 and 27 side by side (so the tiny encoder has 27 layers), the
     VAE's 32 latent channels are patchified 2x2 into 128 transformer channels; optional
     reference images (`image=`) join as extra tokens."""
-    from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Transformer2DModel
+    from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
     from transformers import Qwen3ForCausalLM
 
     tok = _qwen_tokenizer()
@@ -331,22 +358,84 @@ def _tiny_flux2_klein():
             axes_dims_rope=[4, 4, 4, 4],
             guidance_embeds=False,
         ),
-        vae=AutoencoderKLFlux2(
-            block_out_channels=(8, 8, 8, 8),
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            layers_per_block=1,
-            latent_channels=32,
-            norm_num_groups=4,
-            sample_size=64,
-        ),
+        vae=_flux2_vae(),
         text_encoder=Qwen3ForCausalLM(_qwen3_config(tok, hidden=hidden, layers=27)),
         tokenizer=tok,
-        scheduler=_flow_scheduler(
-            base_image_seq_len=256, max_image_seq_len=4096, base_shift=0.5, max_shift=1.15,
-            use_dynamic_shifting=True, shift=3.0,
-        ),
+        scheduler=_flux2_scheduler(),
         is_distilled=True,
+    )
+    pipe.native_size = (64, 64)
+    return pipe
+
+
+# Mistral Small 3's control tokens, and its chat format for a system and a user turn (the
+# messages' content is a list of typed parts, as FLUX.2's `format_input` makes them).
+_MISTRAL_SPECIALS = ("<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]",
+                     "[/SYSTEM_PROMPT]", "[IMG]", "[IMG_BREAK]", "[IMG_END]")  # fmt: skip
+_MISTRAL_CHAT_TEMPLATE = (
+    "{{ bos_token }}{%- for message in messages -%}"
+    "{%- set text = message['content'] if message['content'] is string else message['content']"
+    " | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') -%}"
+    "{%- if message['role'] == 'system' -%}{{ '[SYSTEM_PROMPT]' + text + '[/SYSTEM_PROMPT]' }}"
+    "{%- elif message['role'] == 'user' -%}{{ '[INST]' + text + '[/INST]' }}"
+    "{%- else -%}{{ text + eos_token }}{%- endif -%}{%- endfor -%}"
+)
+
+
+def _mistral_tokenizer():
+    """A byte-level BPE with Mistral's control tokens and chat format; FLUX.2's system message is
+    whole words. It stands where the real pipeline has Pixtral's processor, whose text path
+    (`apply_chat_template` for prompts) is the tokenizer's; the processor's image path serves
+    only the prompt upsampling this server does not offer (and needs torchvision)."""
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+    from tokenizers import AddedToken
+    from transformers import Qwen2Tokenizer
+
+    vocab, merges = _bpe_vocab((SYSTEM_MESSAGE,), _MISTRAL_SPECIALS)
+    tok = Qwen2Tokenizer(vocab=dict(vocab), merges=list(merges), model_max_length=1024,
+                         chat_template=_MISTRAL_CHAT_TEMPLATE, bos_token="<s>", eos_token="</s>",
+                         pad_token="<pad>", unk_token="<unk>")  # fmt: skip
+    tok.add_tokens([AddedToken(s, special=True, normalized=False) for s in _MISTRAL_SPECIALS])
+    return tok
+
+
+def _tiny_flux2():
+    """FLUX.2 [dev] shaped (Flux2Pipeline): guidance-distilled (the guidance scale is embedded,
+    no negative prompt), the prompt the Mistral 3 encoder's hidden states of layers 10, 20 and 30
+    side by side (so the tiny encoder has 30 layers, and a Pixtral vision tower it does not use
+    for prompts), the FLUX.2 VAE and transformer as the klein twin has them; reference images
+    join as extra tokens."""
+    from diffusers import Flux2Pipeline, Flux2Transformer2DModel
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    tok = _mistral_tokenizer()
+    ids = tok.convert_tokens_to_ids
+    hidden = 16
+    encoder = Mistral3ForConditionalGeneration(
+        Mistral3Config(
+            text_config=dict(
+                model_type="mistral", vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden,
+                num_hidden_layers=30, num_attention_heads=2, num_key_value_heads=2, head_dim=hidden // 2,
+                max_position_embeddings=1024, bos_token_id=ids("<s>"), eos_token_id=ids("</s>"),
+                pad_token_id=ids("<pad>"),
+            ),
+            vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32,
+                               num_hidden_layers=1, num_attention_heads=2, head_dim=8, image_size=64,
+                               patch_size=16),
+            image_token_index=ids("[IMG]"),
+            spatial_merge_size=1,
+        )
+    )  # fmt: skip
+    pipe = Flux2Pipeline(
+        transformer=Flux2Transformer2DModel(
+            patch_size=1, in_channels=128, num_layers=1, num_single_layers=1, attention_head_dim=16,
+            num_attention_heads=2, joint_attention_dim=3 * hidden, timestep_guidance_channels=256,
+            axes_dims_rope=[4, 4, 4, 4], guidance_embeds=True,
+        ),
+        vae=_flux2_vae(),
+        text_encoder=encoder,
+        tokenizer=tok,
+        scheduler=_flux2_scheduler(),
     )  # fmt: skip
     pipe.native_size = (64, 64)
     return pipe

@@ -74,6 +74,25 @@ def _flat(routes):
         yield from _flat(inner.routes) if inner is not None else (r,)
 
 
+class OwnPathFirst:
+    """ASGI middleware: a path that is some route's own (no parameters) is that resource for every
+    method, so a method none of its routes takes is a 405 there, not whatever a templated route
+    would make of it (`GET /v1/videos/generations` is no video's id)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            own = [r for r in _flat(scope["app"].router.routes) if not getattr(r, "param_convertors", True)]
+            matches = [r.matches(scope)[0] for r in own]
+            if Match.PARTIAL in matches and Match.FULL not in matches:
+                request = Request(scope, receive)
+                response = await _http_error(request, StarletteHTTPException(405, "Method Not Allowed"))
+                return await response(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 class HeadAsGet:
     """ASGI middleware: HEAD is answered as GET is, without the body (RFC 9110, 9.3.2), on every
     GET route; FastAPI's routes take only the methods they declare."""
@@ -120,6 +139,7 @@ def make_app() -> FastAPI:
         description="Diffusion image models on Ray Serve; the image routes follow the OpenAI Images API.",
         version="0.1.0",
     )
+    fastapi_app.add_middleware(OwnPathFirst)  # innermost: after the key, as the router's own 405s
     fastapi_app.middleware("http")(check_api_key)
     fastapi_app.add_middleware(BodyLimit)
     fastapi_app.add_middleware(RequestIdGuard)  # a malformed X-Request-Id goes no further

@@ -130,14 +130,15 @@ class JobRunner:
             pass
 
     async def _save(self, job: JobRecord, force: bool = False) -> bool:
-        """Write the record, unless (without `force`) the job is gone (deleted, pruned), finished,
-        or taken over by another ingress: then this ingress stops running it. Saves of one job
-        go one at a time."""
-        async with self._locks.setdefault(job.id, asyncio.Lock()):
+        """Write the record, unless (without `force`) the job is gone (deleted, pruned: files written
+        meanwhile go too), finished, or another ingress's: then this ingress stops running it."""
+        async with self._locks.setdefault(job.id, asyncio.Lock()):  # one save of a job at a time
             if not force:
                 stored = await asyncio.to_thread(self.store.load_job, job.id)
                 if stored is None or stored.owner != self.owner or (stored.finished and not job.finished):
                     self._drop(job.id)
+                    if stored is None and (job.outputs or job.tensors):
+                        await asyncio.to_thread(self.store.delete, job.id)
                     return False
             await asyncio.to_thread(self.store.save_job, job)
         if job.finished:
