@@ -15,6 +15,7 @@ from serve_app.config import AppConfig, Served
 from serve_app.engine.engine import engine_class, scheduler_class
 from serve_app.ingress.deployment import DiffusionIngressDeployment
 from serve_app.replica import DiffusionReplicaDeployment
+from serve_app.replica.parallel import bundles
 
 
 def build_app(args: dict[str, Any] | AppConfig | None = None) -> Application:
@@ -49,6 +50,9 @@ def _replica_app(s: Served, cfg: AppConfig, name: str, default_model: str) -> Ap
     scaling = {"num_replicas": r.num_replicas}
     if r.autoscaling is not None:
         scaling = {"num_replicas": "auto", "autoscaling_config": r.autoscaling.serve_config()}
+    if s.model.parallel.world > 1:  # one bundle per rank, on one node; the replica sits in the first
+        scaling["placement_group_bundles"] = bundles(s.model, r)
+        scaling["placement_group_strategy"] = "STRICT_PACK"
     return DiffusionReplicaDeployment.options(
         name=name,
         **scaling,

@@ -115,6 +115,16 @@ def test_each_config_names_the_twin_ci_runs_for_its_family(path):
         ({"limits": {"max_steps": 0}}, "limits.max_steps"),
         ({"replica": {"num_replicas": 0}}, "replica.num_replicas"),
         ({"replica": {"typo": 1}}, "replica.typo"),
+        ({"model": {"parallel": {"cfg": 4}}}, "model.parallel.cfg"),
+        ({"model": {"parallel": {"ulysses": 2}}}, "model.parallel.ulysses"),
+        (
+            {"model": {"device": "cuda", "parallel": {"cfg": 2}, "optimizations": {"cpu_offload": "model"}}},
+            "model.parallel: not with optimizations.cpu_offload",
+        ),
+        (
+            {"model": {"parallel": {"cfg": 2}}, "multiplex": {}},
+            "model.parallel: a pool (multiplex) runs on one rank",
+        ),
     ],
 )
 def test_bad_config_fails_at_build_time(args, message):

@@ -91,6 +91,21 @@ class Optimizations(_Strict):
     )
 
 
+class ParallelConfig(_Strict):
+    """One request on several processes (one GPU each on CUDA): the replica holds a placement
+    group of that many bundles and one worker per bundle after its own."""
+
+    cfg: Literal[1, 2] = Field(
+        1,
+        description="2: classifier-free guidance parallel; the conditional and unconditional halves of "
+        "each guided denoiser call run on two ranks (gloo on CPU, NCCL on CUDA) and are gathered.",
+    )
+
+    @property
+    def world(self) -> int:
+        return self.cfg
+
+
 class SafetyConfig(_Strict):
     """An image classifier every image passes before it is returned (off unless given)."""
 
@@ -200,6 +215,9 @@ class ModelConfig(_Strict):
     )
     optimizations: Optimizations = Field(
         default_factory=Optimizations, description="Optional accelerations, all off by default."
+    )
+    parallel: ParallelConfig = Field(
+        default_factory=ParallelConfig, description="One request across several ranks (off: all 1)."
     )
     safety: SafetyConfig | None = Field(
         None, description="Check every image with a classifier before it is returned (off by default)."
@@ -441,6 +459,13 @@ def _within_limits(s: Served, where: str) -> None:
         raise ValueError(f"{where}.dtype=float16 is not supported on CPU; use float32 or bfloat16")
     if m.device == "cpu" and m.optimizations.cpu_offload != "none":
         raise ValueError(f"{where}.optimizations.cpu_offload needs model.device cuda")
+    if m.parallel.world > 1:
+        if s.multiplex is not None:
+            raise ValueError(f"{where}.parallel: a pool (multiplex) runs on one rank; give it parallel.cfg 1")
+        if m.optimizations.cpu_offload != "none":
+            raise ValueError(
+                f"{where}.parallel: not with optimizations.cpu_offload (each rank holds its model)"
+            )
 
 
 def _check_tenants(tenants: list[TenantConfig]) -> None:

@@ -24,7 +24,7 @@ import torch
 from PIL import Image
 
 from serve_app.config import ModelConfig
-from serve_app.engine import dora
+from serve_app.engine import dora, parallel
 from serve_app.engine.adapters import (
     InForce,
     install_adapter,
@@ -141,6 +141,7 @@ class DiffusionEngine:
         video = self.family.modality == "video"
         self.default_num_frames = (cfg.default_num_frames or self.family.default_frames) if video else None
         self._in_force = InForce(self.pipe)  # the adapters of whole calls
+        self.group: parallel.Group | None = None  # the ranks of a parallel replica (`split_across`)
         self.weights_version: int | None = None  # a trainer's weights pushed in; None: as loaded
         cache_blocks = cached_blocks(denoiser)
         self.accelerations = offered_accelerations(denoiser, cache_blocks, cfg.optimizations)
@@ -339,15 +340,27 @@ class DiffusionEngine:
         logger.info("warm-up took %.2fs", time.perf_counter() - t)
 
     def run(self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None = None) -> EngineOutput:
-        """Run one pipeline call over `rows`; raises whatever the pipeline raises."""
+        """Run one pipeline call over `rows`; raises whatever the pipeline raises. Among ranks
+        (`split_across`) every rank runs it, and stops at the step rank 0's hook stops at."""
+        if self.group is not None:
+            self.group.begin(len(rows))
+            step_hook = parallel.agreeing(self.group, step_hook)
         return self._runner.whole(rows, params, step_hook, self._row_adapters)
+
+    def split_across(self, group: parallel.Group) -> None:
+        """From now on run each guided call's halves on the ranks of `group` (`parallel`)."""
+        parallel.split_denoiser(find_denoiser(self.pipe), group)
+        self.group = group
 
     def can_pause(self, params: CallParams) -> bool:
         """Whether a call with `params` may be paused at a step boundary for another call, or be
         that other call (`run_paused`): not with a step cache (its hooks on the denoiser follow
         one call's steps and would see the other's), a compiled denoiser or CPU offload."""
         opt = self.cfg.optimizations
-        return params.acceleration == "none" and not opt.compile_denoiser and opt.cpu_offload == "none"
+        alone = self.group is None  # ranks run the same calls in the same order
+        return (
+            alone and params.acceleration == "none" and not opt.compile_denoiser and opt.cpu_offload == "none"
+        )
 
     def run_paused(
         self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None = None
@@ -371,7 +384,8 @@ class DiffusionEngine:
         opt = self.cfg.optimizations
         plain = params.acceleration == "none" and params.rollout is None  # a rollout's record is per call
         alone = self.one_request_calls(params)  # its rows share one prompt's images: not a joined seat's
-        return plain and not alone and not opt.compile_denoiser and opt.cpu_offload == "none"
+        ranks = self.group is not None  # a joined run's seats are calls of their own, not mirrored
+        return plain and not alone and not ranks and not opt.compile_denoiser and opt.cpu_offload == "none"
 
     def one_request_calls(self, params: CallParams) -> bool:
         return params.task != "generate" and self.family.image_input != "rows"

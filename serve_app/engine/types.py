@@ -21,9 +21,16 @@ _FATAL_MARKERS = ("CUDA error", "illegal memory access", "device-side assert", "
 
 
 def is_fatal_device_error(e: Exception) -> bool:
-    """An error after which no call on this device can succeed (a poisoned CUDA context)."""
+    """An error after which no call on this device can succeed (a poisoned CUDA context, or a
+    rank of a parallel engine lost: its process group is broken)."""
     accel = getattr(torch, "AcceleratorError", None)
-    return (accel is not None and isinstance(e, accel)) or any(m in str(e) for m in _FATAL_MARKERS)
+    if isinstance(e, RankLost) or (accel is not None and isinstance(e, accel)):
+        return True
+    return any(m in str(e) for m in _FATAL_MARKERS)
+
+
+class RankLost(RuntimeError):
+    """A rank of a parallel engine died, hung, or failed a call the others ran."""
 
 
 class LoraError(ValueError):

@@ -43,6 +43,7 @@ from serve_app.replica.control import Profiler, call_exported, outcome
 from serve_app.replica.health import Health
 from serve_app.replica.intake import new_job, work
 from serve_app.replica.loop import EngineLoop
+from serve_app.replica.parallel import RankedEngine, ranked_factory
 from serve_app.replica.pool import CheckpointServing
 from serve_app.replica.results import build_result, check_flagged
 from serve_app.replica.routing import replica_id as _replica_id
@@ -83,7 +84,8 @@ class DiffusionReplica(AdapterControl, CheckpointServing):
         # that enters an OpenMP region gets its own pool of spinning workers, and two pools on
         # the same cores made the CPU pipeline 1.8x slower (measured: 391 vs 218 ms).
         factory = engine_factory or engine_class(self.cfg.engine_extension)
-        self.engine: Engine = self._start_engine(factory, self.replica_cfg.init_timeout_s)
+        build = ranked_factory(factory, self.replica_cfg) if self.cfg.parallel.world > 1 else factory
+        self.engine: Engine = self._start_engine(build, self.replica_cfg.init_timeout_s)
         # Image encoding (zlib and numpy release the GIL) runs beside the engine, one task per
         # image: a 512x512 PNG costs 5-20 ms of CPU here (engine._png), and 8 of them one after
         # another would keep the last caller of a batch waiting for the other 7.
@@ -324,6 +326,7 @@ class DiffusionReplica(AdapterControl, CheckpointServing):
             model=self.engine.model_name,
             tenants=s.tenants(),
             checkpoints_held=self.checkpoints.held if self.checkpoints is not None else [],
+            ranks=self.engine.rank_status() if isinstance(self.engine, RankedEngine) else [],
         )
 
     def queue_length(self) -> int:
@@ -345,6 +348,8 @@ class DiffusionReplica(AdapterControl, CheckpointServing):
     async def check_health(self) -> None:
         """Raise when the engine is broken beyond one request, so that Serve replaces us."""
         problem = self.health.problem(self._loop_task)
+        if problem is None and isinstance(self.engine, RankedEngine):
+            problem = await self.engine.check(self.replica_cfg.health_check_timeout_s / 2)
         if problem:
             raise Unavailable(problem)
         self._counts["health_checks_passed"] += 1

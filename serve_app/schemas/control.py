@@ -43,6 +43,11 @@ class ReplicaStats(BaseModel):
     checkpoints_held: list[str] = Field(
         default_factory=list, description="A pool's registered checkpoints this replica holds."
     )
+    ranks: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="A parallel replica's ranks (`model.parallel`), rank 0 first: its process id, node "
+        "and denoiser calls run split so far (the workers' as of the last health check).",
+    )
 
 
 class ModelStatus(BaseModel):

@@ -1,0 +1,85 @@
+"""One guided request on two ranks against one rank, in one run (issue 55).
+
+    python benchmarks/bench_parallel.py                  # CPU: the twins, one torch thread a rank
+    python benchmarks/bench_parallel.py --size 256 --steps 12 --families sd
+    python benchmarks/bench_parallel.py --device cuda --families sd --model-sd builtin:sd15-arch  # 2 GPUs
+
+One app serves each family twice: as one rank (`parallel.cfg: 1`) and on two ranks
+(`parallel.cfg: 2`, a placement group of two bundles). tiny-sd guides in one batched denoiser
+call a step (each rank runs half the batch); tiny-flux with `true_cfg_scale` runs two calls a step
+(each rank runs one). Interleaved rounds of the same guided request (one image) to each; prints
+the p50 latency of each and one rank's over two ranks'. On the CPU every rank gets one torch
+thread, so two ranks use two cores where one rank uses one: the figure is what a second device
+buys one request, and on 2 cores the gloo exchange each step and the ingress share them.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+from common import parser, start_app, stop_app, write_json
+
+BODIES = {
+    "sd": {"guidance_scale": 5.0},
+    "flux": {"negative_prompt": "blue", "true_cfg_scale": 4.0, "guidance_scale": 3.5},
+}
+
+
+def once(http, a, fam: str, world: int) -> float:
+    """One guided request to the family's model of `world` ranks; its latency in ms."""
+    body = {"model": f"{fam}-{world}", "prompt": "a red circle", "seed": 3, "size": f"{a.size}x{a.size}",
+            "num_inference_steps": a.steps, **BODIES[fam]}  # fmt: skip
+    t = time.perf_counter()
+    http.post("/v1/images/generations", json=body).raise_for_status()
+    return (time.perf_counter() - t) * 1e3
+
+
+def main() -> None:
+    ap = parser(__doc__, size=128, steps=8)
+    ap.add_argument("--families", default="sd,flux")
+    ap.add_argument("--model-sd", default="builtin:tiny-sd")
+    ap.add_argument("--model-flux", default="builtin:tiny-flux")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", default="benchmarks/results/parallel.json")
+    a = ap.parse_args()
+
+    import httpx
+
+    families = a.families.split(",")
+    gpu = a.device == "cuda"
+    entries = [
+        {"model": {"name": f"{fam}-{world}", "source": getattr(a, f"model_{fam}"), "device": a.device,
+                   "cpu_threads": None if gpu else 1, "parallel": {"cfg": world}, "warmup_steps": 1}}
+        for fam in families
+        for world in (1, 2)
+    ]  # fmt: skip
+    args = {
+        "models": entries,
+        "replica": {"num_gpus": 1 if gpu else 0, "num_cpus": 0, "init_timeout_s": 900},
+        "ingress": {"num_cpus": 0, "request_timeout_s": 900},
+        "limits": {"max_side": max(1024, a.size), "max_pixels": max(1024 * 1024, a.size**2)},
+    }
+    start_app(args, a.device, 8768)
+    res = {}
+    try:
+        with httpx.Client(base_url="http://127.0.0.1:8768", timeout=900) as http:
+            for fam in families:
+                times: dict[int, list[float]] = {1: [], 2: []}
+
+                once(http, a, fam, 1), once(http, a, fam, 2)  # warm both
+                for _ in range(a.rounds):
+                    for world in (1, 2):
+                        times[world].append(once(http, a, fam, world))
+                p50 = {w: statistics.median(v) for w, v in times.items()}
+                res[fam] = {"one_rank_p50_ms": round(p50[1], 1), "two_ranks_p50_ms": round(p50[2], 1),
+                            "one_over_two": round(p50[1] / p50[2], 2)}  # fmt: skip
+                print(f"{fam:5s} one rank {p50[1]:8.1f} ms  two ranks {p50[2]:8.1f} ms  "
+                      f"speed-up {p50[1] / p50[2]:.2f}x", flush=True)  # fmt: skip
+    finally:
+        stop_app()
+    write_json({"device": a.device, "size": a.size, "steps": a.steps, "families": res}, a.out)
+
+
+if __name__ == "__main__":
+    main()
