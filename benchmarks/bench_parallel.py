@@ -1,13 +1,15 @@
-"""One guided request on two ranks against one rank, in one run (issue 55).
+"""One request on two ranks against one rank, in one run (issue 55).
 
     python benchmarks/bench_parallel.py                  # CPU: the twins, one torch thread a rank
     python benchmarks/bench_parallel.py --size 256 --steps 12 --families sd
+    python benchmarks/bench_parallel.py --parallel ulysses --families flux --size 256   # tokens shared
     python benchmarks/bench_parallel.py --device cuda --families sd --model-sd builtin:sd15-arch  # 2 GPUs
 
-One app serves each family twice: as one rank (`parallel.cfg: 1`) and on two ranks
-(`parallel.cfg: 2`, a placement group of two bundles). tiny-sd guides in one batched denoiser
-call a step (each rank runs half the batch); tiny-flux with `true_cfg_scale` runs two calls a step
-(each rank runs one). Interleaved rounds of the same guided request (one image) to each; prints
+One app serves each family twice: as one rank and on two ranks (`parallel.cfg: 2`, or
+`parallel.ulysses: 2` with `--parallel ulysses`; a placement group of two bundles). With cfg,
+tiny-sd guides in one batched denoiser call a step (each rank runs half the batch) and tiny-flux
+with `true_cfg_scale` runs two calls a step (each rank runs one); with ulysses each rank holds
+half of the tokens. Interleaved rounds of the same request (one image) to each; prints
 the p50 latency of each and one rank's over two ranks'. On the CPU every rank gets one torch
 thread, so two ranks use two cores where one rank uses one: the figure is what a second device
 buys one request, and on 2 cores the gloo exchange each step and the ingress share them.
@@ -27,9 +29,10 @@ BODIES = {
 
 
 def once(http, a, fam: str, world: int) -> float:
-    """One guided request to the family's model of `world` ranks; its latency in ms."""
+    """One request to the family's model of `world` ranks (guided for cfg); its latency in ms."""
+    extra = BODIES[fam] if a.parallel == "cfg" else {}
     body = {"model": f"{fam}-{world}", "prompt": "a red circle", "seed": 3, "size": f"{a.size}x{a.size}",
-            "num_inference_steps": a.steps, **BODIES[fam]}  # fmt: skip
+            "num_inference_steps": a.steps, **extra}  # fmt: skip
     t = time.perf_counter()
     http.post("/v1/images/generations", json=body).raise_for_status()
     return (time.perf_counter() - t) * 1e3
@@ -40,6 +43,7 @@ def main() -> None:
     ap.add_argument("--families", default="sd,flux")
     ap.add_argument("--model-sd", default="builtin:tiny-sd")
     ap.add_argument("--model-flux", default="builtin:tiny-flux")
+    ap.add_argument("--parallel", default="cfg", choices=["cfg", "ulysses"], help="what the ranks share")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", default="benchmarks/results/parallel.json")
     a = ap.parse_args()
@@ -50,7 +54,7 @@ def main() -> None:
     gpu = a.device == "cuda"
     entries = [
         {"model": {"name": f"{fam}-{world}", "source": getattr(a, f"model_{fam}"), "device": a.device,
-                   "cpu_threads": None if gpu else 1, "parallel": {"cfg": world}, "warmup_steps": 1}}
+                   "cpu_threads": None if gpu else 1, "parallel": {a.parallel: world}, "warmup_steps": 1}}
         for fam in families
         for world in (1, 2)
     ]  # fmt: skip
@@ -78,7 +82,9 @@ def main() -> None:
                       f"speed-up {p50[1] / p50[2]:.2f}x", flush=True)  # fmt: skip
     finally:
         stop_app()
-    write_json({"device": a.device, "size": a.size, "steps": a.steps, "families": res}, a.out)
+    write_json(
+        {"device": a.device, "parallel": a.parallel, "size": a.size, "steps": a.steps, "families": res}, a.out
+    )
 
 
 if __name__ == "__main__":

@@ -116,7 +116,16 @@ def test_each_config_names_the_twin_ci_runs_for_its_family(path):
         ({"replica": {"num_replicas": 0}}, "replica.num_replicas"),
         ({"replica": {"typo": 1}}, "replica.typo"),
         ({"model": {"parallel": {"cfg": 4}}}, "model.parallel.cfg"),
-        ({"model": {"parallel": {"ulysses": 2}}}, "model.parallel.ulysses"),
+        ({"model": {"parallel": {"ulysses": 16}}}, "model.parallel.ulysses"),
+        (
+            {"model": {"device": "cpu", "parallel": {"ring": 2}}},
+            "model.parallel.ring: ring attention needs an",
+        ),
+        (
+            {"model": {"device": "cuda", "parallel": {"ring": 2}}},
+            "model.parallel.ring: needs model.optimizations",
+        ),
+        ({"model": {"parallel": {"ulysses": 4, "ring": 4}}}, "model.parallel: 16 ranks; at most 8"),
         (
             {"model": {"device": "cuda", "parallel": {"cfg": 2}, "optimizations": {"cpu_offload": "model"}}},
             "model.parallel: not with optimizations.cpu_offload",

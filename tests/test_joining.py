@@ -118,12 +118,15 @@ def test_what_cannot_join_runs_in_whole_calls():
         e = get("tiny-sd")
         assert e.can_join(plain)
         assert not e.can_join(dataclasses.replace(plain, acceleration="fast"))  # a step cache
-    # A compiled denoiser and CPU offload (CUDA only: the settings alone, on an engine's place).
-    for opt in ({"compile_denoiser": True}, {"cpu_offload": "model"}):
+    # A compiled denoiser and CPU offload (CUDA only: the settings alone, on an engine's place),
+    # and a model on several ranks (each call is sent to every rank whole: `model.parallel`).
+    for opt, group in (({"compile_denoiser": True}, None), ({"cpu_offload": "model"}, None), ({}, object())):
         cfg = ModelConfig(source="builtin:tiny-sd", optimizations=opt)
-        assert not DiffusionEngine.can_join(
-            SimpleNamespace(cfg=cfg, one_request_calls=lambda p: False), plain
-        )
+        like = SimpleNamespace(cfg=cfg, one_request_calls=lambda p: False, group=group)
+        assert not DiffusionEngine.can_join(like, plain) and not DiffusionEngine.can_pause(like, plain)
+    assert DiffusionEngine.can_join(
+        SimpleNamespace(cfg=cfg, one_request_calls=lambda p: False, group=None), plain
+    )
 
 
 def test_a_row_stopped_by_its_hook_ends_at_once_and_the_others_finish(engines):

@@ -19,6 +19,7 @@ from serve_app.config.deployments import (  # re-exported: one configuration
     MultiplexSettings,
     ReplicaConfig,
 )
+from serve_app.config.parallel import ParallelConfig, check_parallel
 from serve_app.config.services import PRIORITIES as PRIORITIES
 from serve_app.config.services import (  # re-exported: one configuration
     AuthConfig,
@@ -89,21 +90,6 @@ class Optimizations(_Strict):
         description="The `acceleration` of requests that name none: `fast`/`faster` serve some steps' "
         "block outputs from a cache (diffusers' TaylorSeer hooks).",
     )
-
-
-class ParallelConfig(_Strict):
-    """One request on several processes (one GPU each on CUDA): the replica holds a placement
-    group of that many bundles and one worker per bundle after its own."""
-
-    cfg: Literal[1, 2] = Field(
-        1,
-        description="2: classifier-free guidance parallel; the conditional and unconditional halves of "
-        "each guided denoiser call run on two ranks (gloo on CPU, NCCL on CUDA) and are gathered.",
-    )
-
-    @property
-    def world(self) -> int:
-        return self.cfg
 
 
 class SafetyConfig(_Strict):
@@ -460,6 +446,7 @@ def _within_limits(s: Served, where: str) -> None:
     if m.device == "cpu" and m.optimizations.cpu_offload != "none":
         raise ValueError(f"{where}.optimizations.cpu_offload needs model.device cuda")
     if m.parallel.world > 1:
+        check_parallel(m, where)
         if s.multiplex is not None:
             raise ValueError(f"{where}.parallel: a pool (multiplex) runs on one rank; give it parallel.cfg 1")
         if m.optimizations.cpu_offload != "none":

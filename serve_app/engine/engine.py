@@ -348,8 +348,13 @@ class DiffusionEngine:
         return self._runner.whole(rows, params, step_hook, self._row_adapters)
 
     def split_across(self, group: parallel.Group) -> None:
-        """From now on run each guided call's halves on the ranks of `group` (`parallel`)."""
-        parallel.split_denoiser(find_denoiser(self.pipe), group)
+        """From now on share each call among the ranks of `group` as `model.parallel` says: the
+        guidance's branches (`cfg`) or the tokens (`ulysses`, `ring`); see `parallel`."""
+        par = self.cfg.parallel
+        try:
+            parallel.share(find_denoiser(self.pipe), group, par.cfg, par.ulysses, par.ring)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from None
         self.group = group
 
     def can_pause(self, params: CallParams) -> bool:

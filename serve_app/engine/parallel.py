@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from serve_app.engine.types import StepHook
+from serve_app.engine.types import InvalidArguments, StepHook
 
 # Denoiser arguments whose first dimension is not the batch even when its length matches
 # (token positions of FLUX-style transformers, rotary tables).
@@ -41,6 +41,11 @@ class Group:
     rank: int
     world: int
     device: torch.device
+    cfg: int = 1  # ranks the guidance's branches are shared over (1 or 2)
+    sequence: int = 1  # ranks the tokens are shared over (ulysses * ring)
+    branch: int = 0  # this rank's branch of the guidance (its place along `cfg`)
+    tokens: int | None = None  # tokens this rank's output projection last saw (its share, with ulysses)
+    cfg_group: Any = None  # the ranks of this one's token share, one a branch (None: all ranks)
     rows: int | None = None  # images of the call now running, for the batched rule
     split_calls: int = 0  # denoiser calls run split so far (a count for tests and status)
     paired: bool | None = None  # the call runs two denoiser calls a step (None: not known yet)
@@ -58,7 +63,7 @@ class Group:
         if self.paired is None:
             s = self.step
             self.paired = (
-                self.world == 2 and len(s) == 2 and s[0][0] is s[1][0] and s[0][2].shape == s[1][2].shape
+                self.cfg == 2 and len(s) == 2 and s[0][0] is s[1][0] and s[0][2].shape == s[1][2].shape
             )
             if self.paired:
                 self.template, self.kind = s[0][2], type(s[0][1])
@@ -80,6 +85,52 @@ def init_group(
         timeout=datetime.timedelta(seconds=timeout_s),
     )
     return Group(rank, world, device)
+
+
+def share(denoiser: torch.nn.Module, group: Group, cfg: int, ulysses: int, ring: int) -> None:
+    """Share the denoiser's calls among the ranks of `group`: the guidance's branches over `cfg`
+    ranks (with `cfg` alone rank k runs branch k), the tokens over `ulysses * ring`; ValueError
+    naming the field where this denoiser cannot."""
+    group.cfg, group.branch = cfg, group.rank if cfg > 1 else 0
+    if ulysses * ring > 1:
+        share_sequence(denoiser, group, ulysses, ring)
+    split_denoiser(denoiser, group)
+
+
+def share_sequence(denoiser: torch.nn.Module, group: Group, ulysses: int, ring: int) -> None:
+    """Spread the denoiser's tokens over the ranks with diffusers' context parallelism (Ulysses
+    all-to-all, ring attention), within each branch of the guidance where `cfg` shares those;
+    ValueError naming the field where this denoiser cannot."""
+    from diffusers import ContextParallelConfig
+    from torch.distributed.device_mesh import init_device_mesh
+
+    field = "model.parallel.ulysses" if ulysses > 1 else "model.parallel.ring"
+    if getattr(denoiser, "_cp_plan", None) is None:
+        raise ValueError(
+            f"{field}: {type(denoiser).__name__} has no context-parallel plan in diffusers (the FLUX, "
+            "FLUX.2, Wan, Qwen-Image and LTX transformers have one; a UNet or SD3 has none)"
+        )
+    heads = getattr(denoiser.config, "num_attention_heads", None)
+    if ulysses > 1 and heads and heads % ulysses:
+        raise ValueError(f"model.parallel.ulysses: {ulysses} does not divide the {heads} attention heads")
+    mesh = None
+    if group.cfg > 1:  # ranks (b, r, u): branch b; those of one branch share its tokens
+        mesh = init_device_mesh(
+            group.device.type, (group.cfg, ring, ulysses), mesh_dim_names=("cfg", "ring", "ulysses")
+        )
+        group.cfg_group, group.branch = mesh.get_group("cfg"), mesh.get_local_rank("cfg")
+    config = ContextParallelConfig(ulysses_degree=ulysses, ring_degree=ring, mesh=mesh)
+    if group.device.type == "cpu":  # diffusers picks `rank % accelerator count`: 0 on a CPU build
+        from unittest import mock
+
+        with mock.patch.object(torch.accelerator, "device_count", lambda: 1):
+            denoiser.enable_parallelism(config=config)
+    else:
+        denoiser.enable_parallelism(config=config)
+    group.sequence = ulysses * ring
+    out = getattr(denoiser, "proj_out", None)  # where the plans gather the tokens (after: whole)
+    if isinstance(out, torch.nn.Module):
+        out.register_forward_pre_hook(lambda _, args: setattr(group, "tokens", args[0].shape[1]))
 
 
 def agree(group: Group | None, stop: bool) -> bool:
@@ -113,18 +164,33 @@ def split_denoiser(denoiser: torch.nn.Module, group: Group) -> None:
     would: its `forward` is wrapped (hooks on it still see every call whole)."""
     inner = denoiser.forward
 
+    def run(*args, **kwargs):
+        try:
+            return inner(*args, **kwargs)
+        except AssertionError as e:  # torch's sharding of a length the ranks do not divide
+            if group.sequence == 1 or "divisible" not in str(e):
+                raise
+            raise InvalidArguments(
+                f"size: this size (and frame count) makes a number of tokens the model's "
+                f"{group.sequence} ranks (model.parallel) cannot share evenly; choose another",
+                param="size",
+            ) from None
+
     def forward(*args, **kwargs):
         sample = args[0] if args else next(v for v in kwargs.values() if torch.is_tensor(v))
         n = sample.shape[0]
-        if group.rows is not None and n == 2 * group.rows and n % group.world == 0:
-            part, lo = n // group.world, group.rank * (n // group.world)
+        if group.cfg == 1:  # the tokens are shared (`share_sequence`): every call is
+            group.split_calls += 1
+            return run(*args, **kwargs)
+        if group.rows is not None and n == 2 * group.rows:
+            part, lo = n // 2, group.branch * (n // 2)
             args = tuple(_half(a, n, lo, part) for a in args)
             kwargs = {k: v if k in _UNBATCHED else _half(v, n, lo, part) for k, v in kwargs.items()}
             group.split_calls += 1
-            return _gathered(inner(*args, **kwargs), group)
+            return _gathered(run(*args, **kwargs), group)
         if group.paired:
-            return _paired(group, len(group.step), lambda: inner(*args, **kwargs))
-        out = inner(*args, **kwargs)
+            return _paired(group, len(group.step), lambda: run(*args, **kwargs))
+        out = run(*args, **kwargs)
         group.step.append((sample, out, _sample(out)))
         return out
 
@@ -138,18 +204,20 @@ def _paired(group: Group, index: int, run) -> Any:
 
     group.step.append(None)
     if index == 0:
-        if group.rank == 0:
+        if group.branch == 0:
             group.first = run()
             return group.first
         group.first = torch.empty_like(group.template)
         return _as_output(group.kind, group.first)
     if index > 1:  # a third call in a step: not the pattern learned; every rank runs it
         return run()
-    mine = run() if group.rank == 1 else None
+    mine = run() if group.branch == 1 else None
     parts = [torch.empty_like(group.template) for _ in range(2)]
-    dist.all_gather(parts, _sample(mine if mine is not None else group.first).contiguous())
+    dist.all_gather(
+        parts, _sample(mine if mine is not None else group.first).contiguous(), group=group.cfg_group
+    )
     group.split_calls += 1
-    if group.rank == 1:
+    if group.branch == 1:
         group.first.copy_(parts[0])  # the pipeline holds it as the first call's output
         return mine
     return _as_output(group.kind, parts[1])
@@ -184,8 +252,8 @@ def _gathered(out: Any, group: Group) -> Any:
     import torch.distributed as dist
 
     sample = _sample(out)
-    parts = [torch.empty_like(sample) for _ in range(group.world)]
-    dist.all_gather(parts, sample.contiguous())
+    parts = [torch.empty_like(sample) for _ in range(group.cfg)]
+    dist.all_gather(parts, sample.contiguous(), group=group.cfg_group)
     whole = torch.cat(parts)
     if isinstance(out, tuple):
         return (whole, *out[1:])

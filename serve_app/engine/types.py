@@ -38,7 +38,12 @@ class LoraError(ValueError):
 
 
 class InvalidArguments(ValueError):
-    """The pipeline refused this call's arguments: the caller's mistake, not the engine's."""
+    """The pipeline refused this call's arguments: the caller's mistake, not the engine's
+    (`param`: the request field at fault, where known)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class ModelLoadError(RuntimeError):

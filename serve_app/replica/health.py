@@ -76,7 +76,7 @@ class Health:
             logger.warning("request %s: %s", request_id, e)
             return Unavailable(f"{e}; no image is returned unchecked", request_id=request_id)
         if isinstance(e, InvalidArguments):
-            param = "extra" if params.extra else None
+            param = e.param or ("extra" if params.extra else None)
             return InvalidRequest(no_paths(str(e)), param=param, request_id=request_id)
         if isinstance(e, torch.OutOfMemoryError) or (
             isinstance(e, RuntimeError) and _ALLOC_FAILED.search(str(e)) and not is_fatal_device_error(e)

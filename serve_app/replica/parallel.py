@@ -149,7 +149,7 @@ class RankedEngine:
 def _rank_info(engine) -> dict[str, Any]:
     group = engine.group
     return {"rank": group.rank, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
-            "split_calls": group.split_calls}  # fmt: skip
+            "split_calls": group.split_calls, "tokens": group.tokens}  # fmt: skip
 
 
 def _free_port() -> int:

@@ -45,8 +45,9 @@ class ReplicaStats(BaseModel):
     )
     ranks: list[dict[str, Any]] = Field(
         default_factory=list,
-        description="A parallel replica's ranks (`model.parallel`), rank 0 first: its process id, node "
-        "and denoiser calls run split so far (the workers' as of the last health check).",
+        description="A parallel replica's ranks (`model.parallel`), rank 0 first: its process id, node, "
+        "denoiser calls run split so far and, with ulysses or ring, the tokens its share of the last "
+        "call held (the workers' as of the last health check).",
     )
 
 
