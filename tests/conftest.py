@@ -19,6 +19,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# Serve says in a deployment's status that its replicas wait for resources after this long
+# (30 s by default): a placement group that cannot be placed shows in seconds.
+os.environ.setdefault("RAY_SERVE_SLOW_STARTUP_WARNING_S", "3")
+os.environ.setdefault("RAY_SERVE_SLOW_STARTUP_WARNING_PERIOD_S", "3")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The proxy's X-Request-Id guard, as `diffusion-serve serve` and docs/deploying.md start Ray (the

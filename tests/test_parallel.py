@@ -332,3 +332,30 @@ def test_guidance_and_tokens_shared_at_once_on_four_ranks(par, client):
     assert [r["rank"] for r in ranks] == [0, 1, 2, 3] and len({r["pid"] for r in ranks}) == 4, ranks
     assert ranks[0]["split_calls"] == 3  # steps 2-4 paired (the first learns the pattern)
     wait_for(lambda: {r["split_calls"] for r in _ranks(client, "flux-cu")} == {3}, timeout=15)
+
+
+def test_ranks_that_cannot_be_placed_say_so_and_requests_are_refused_not_held(ray_cluster, client):
+    """Two ranks of one GPU each on a cluster without GPUs: the deployment's status says its
+    replica waits for resources (naming them), and a request for the model gets a 503 at once."""
+    from ray import serve
+
+    app = "par-unplaced"
+    args = app_args(replica={"num_replicas": 1, "num_cpus": 0, "num_gpus": 1})
+    args["model"] = {**args["model"], "parallel": {"cfg": 2}}
+    from serve_app.app import build_app
+
+    serve._run(build_app(args), name=app, route_prefix=f"/{app}", _blocking=False)
+    try:
+
+        def waiting() -> str | None:
+            st = serve.status().applications.get(app)
+            msgs = [d.message for d in st.deployments.values()] if st else []
+            return next((m for m in msgs if "Resources required for each replica" in m), None)
+
+        message = wait_for(waiting, timeout=60, interval=0.5)
+        assert '[{"CPU": 0.01, "GPU": 1.0}, {"CPU": 0.01, "GPU": 1.0}]' in message, message  # the two bundles
+        wait_for(lambda: client.get(f"/{app}/live").status_code == 200, timeout=60, interval=0.5)
+        r = client.post(f"/{app}/v1/images/generations", json={"prompt": "a"}, timeout=30)
+        assert r.status_code == 503, r.text
+    finally:
+        serve.delete(app, _blocking=False)
