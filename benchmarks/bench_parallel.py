@@ -12,7 +12,8 @@ with `true_cfg_scale` runs two calls a step (each rank runs one); with ulysses e
 half of the tokens. Interleaved rounds of the same request (one image) to each; prints
 the p50 latency of each and one rank's over two ranks'. On the CPU every rank gets one torch
 thread, so two ranks use two cores where one rank uses one: the figure is what a second device
-buys one request, and on 2 cores the gloo exchange each step and the ingress share them.
+buys one request (on 2 cores the gloo exchange each step and the ingress share them); a third
+model, one rank of two torch threads, spends the same two cores inside one process.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ BODIES = {
 }
 
 
-def once(http, a, fam: str, world: int) -> float:
-    """One request to the family's model of `world` ranks (guided for cfg); its latency in ms."""
+def once(http, a, fam: str, variant: str) -> float:
+    """One request to the family's model `variant` (guided for cfg); its latency in ms."""
     extra = BODIES[fam] if a.parallel == "cfg" else {}
-    body = {"model": f"{fam}-{world}", "prompt": "a red circle", "seed": 3, "size": f"{a.size}x{a.size}",
+    body = {"model": f"{fam}-{variant}", "prompt": "a red circle", "seed": 3, "size": f"{a.size}x{a.size}",
             "num_inference_steps": a.steps, **extra}  # fmt: skip
     t = time.perf_counter()
     http.post("/v1/images/generations", json=body).raise_for_status()
@@ -52,11 +53,15 @@ def main() -> None:
 
     families = a.families.split(",")
     gpu = a.device == "cuda"
+    # Per family: one rank of one thread ("1"), two ranks of one thread each ("2"), and on the CPU
+    # one rank of two threads ("1x2"): the same two cores spent inside one process.
+    variants = {"1": (1, 1), "2": (2, 1)} if gpu else {"1": (1, 1), "2": (2, 1), "1x2": (1, 2)}
     entries = [
-        {"model": {"name": f"{fam}-{world}", "source": getattr(a, f"model_{fam}"), "device": a.device,
-                   "cpu_threads": None if gpu else 1, "parallel": {a.parallel: world}, "warmup_steps": 1}}
+        {"model": {"name": f"{fam}-{v}", "source": getattr(a, f"model_{fam}"), "device": a.device,
+                   "cpu_threads": None if gpu else threads, "parallel": {a.parallel: world},
+                   "warmup_steps": 1}}
         for fam in families
-        for world in (1, 2)
+        for v, (world, threads) in variants.items()
     ]  # fmt: skip
     args = {
         "models": entries,
@@ -69,17 +74,21 @@ def main() -> None:
     try:
         with httpx.Client(base_url="http://127.0.0.1:8768", timeout=900) as http:
             for fam in families:
-                times: dict[int, list[float]] = {1: [], 2: []}
-
-                once(http, a, fam, 1), once(http, a, fam, 2)  # warm both
+                times: dict[str, list[float]] = {v: [] for v in variants}
+                for v in variants:  # warm each
+                    once(http, a, fam, v)
                 for _ in range(a.rounds):
-                    for world in (1, 2):
-                        times[world].append(once(http, a, fam, world))
-                p50 = {w: statistics.median(v) for w, v in times.items()}
-                res[fam] = {"one_rank_p50_ms": round(p50[1], 1), "two_ranks_p50_ms": round(p50[2], 1),
-                            "one_over_two": round(p50[1] / p50[2], 2)}  # fmt: skip
-                print(f"{fam:5s} one rank {p50[1]:8.1f} ms  two ranks {p50[2]:8.1f} ms  "
-                      f"speed-up {p50[1] / p50[2]:.2f}x", flush=True)  # fmt: skip
+                    for v in variants:
+                        times[v].append(once(http, a, fam, v))
+                p50 = {v: statistics.median(t) for v, t in times.items()}
+                res[fam] = {f"p50_ms_{v}": round(t, 1) for v, t in p50.items()}
+                res[fam]["one_rank_over_two_ranks"] = round(p50["1"] / p50["2"], 2)
+                line = f"{fam:5s} one rank {p50['1']:8.1f} ms  two ranks {p50['2']:8.1f} ms"
+                line += f"  x{p50['1'] / p50['2']:.2f}"
+                if "1x2" in p50:
+                    res[fam]["one_rank_two_threads_over_two_ranks"] = round(p50["1x2"] / p50["2"], 2)
+                    line += f"  (one rank of two threads {p50['1x2']:8.1f} ms: x{p50['1x2'] / p50['2']:.2f})"
+                print(line, flush=True)
     finally:
         stop_app()
     write_json(

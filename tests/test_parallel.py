@@ -219,21 +219,24 @@ def test_a_stream_with_previews_and_a_job_on_two_ranks(par, client):
 
 
 def test_a_lost_rank_makes_serve_replace_the_whole_group(par, client, base_url):
-    """Kill the worker's process during a call: the call fails as a lost rank, the replica
-    leaves and Serve replaces it (a new replica with a new worker), the request under way runs
-    again there, and the dead group leaves no process behind."""
+    """Kill the worker's process under load, during a call with more requests queued behind it:
+    the call fails as a lost rank, the replica leaves and Serve replaces it (a new replica with
+    a new worker), every request runs again there (none lost), and the dead group leaves no
+    process behind."""
     before = _replica(client)
     old = _ranks(client)
     job = rid("par-killed")
-    bg = Background(base_url + P, {"model": "sd", "prompt": "under way", "size": "64x64",
-                                   "num_inference_steps": 12, "request_id": job}, timeout=180)  # fmt: skip
+    body = {"model": "sd", "size": "64x64", "num_inference_steps": 12}
+    under_way = Background(base_url + P, {**body, "prompt": "under way", "request_id": job}, timeout=180)
     wait_for(lambda: (s := client.get(f"{P}/v1/requests/{job}")).status_code == 200 and s.json()["step"] >= 1)
+    queued = [Background(base_url + P, {**body, "prompt": f"queued {i}"}, timeout=180) for i in range(3)]
+    wait_for(lambda: client.get(f"{P}/v1/status").json()["models"][0]["queue_length"] >= 2, timeout=30)
     os.kill(old[1]["pid"], signal.SIGKILL)
 
     wait_for(lambda: _replica(client) not in (None, before), timeout=90, interval=0.5)
-    # The request under way when the rank died ran again on the new group: none lost.
-    done = bg.join(timeout=120)
-    assert done is not None and done.status_code == 200, (bg.error, done and done.text)
+    for bg in (under_way, *queued):  # all ran again on the new group: none lost
+        done = bg.join(timeout=150)
+        assert done is not None and done.status_code == 200, (bg.error, done and done.text)
     new = _ranks(client)
     assert {r["pid"] for r in new}.isdisjoint({r["pid"] for r in old}), (old, new)
 
