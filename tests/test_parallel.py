@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.conftest import ADAPTER_DIR, app_args, deploy, engine_cache, wait_for
+from tests.conftest import ADAPTER_DIR, TEST_ARGS, app_args, deploy, engine_cache, wait_for
 from tests.test_lifecycle import LONG, Background, rid
 
 pytestmark = pytest.mark.slow  # four models of two ranks each, one of four
@@ -39,7 +39,8 @@ GUIDED = {
 def par(ray_cluster):
     from ray import serve
 
-    args = app_args()
+    # A health check that times out in 8 s (the worker's ping in 4): a long call must not trip it.
+    args = app_args(replica={**TEST_ARGS["replica"], "health_check_timeout_s": 8})
     base = {**args.pop("model"), "parallel": {"cfg": 2}, "default_steps": 4}
     base.pop("aliases")
     args["models"] = (
@@ -216,6 +217,18 @@ def test_a_stream_with_previews_and_a_job_on_two_ranks(par, client):
     assert events[-1]["type"] == "result"
     job = client.post(GEN, json=body, headers={"Prefer": "respond-async, wait=30"})
     assert job.status_code == 200 and job.json()["state"] == "done", job.text
+
+
+def test_a_call_longer_than_the_health_check_keeps_its_replica(par, client):
+    """The worker answers the health check's ping during a call (its ping has a thread of its
+    own): a call several times longer than the check's timeout leaves the replica as it was."""
+    from serve_app.testing import SLOW_MARKER
+
+    before = _replica(client)
+    body = {"model": "sd", "prompt": f"long {SLOW_MARKER}", "num_inference_steps": 50, "size": "128x128"}
+    r = client.post(GEN, json=body, timeout=120)
+    assert r.status_code == 200 and r.json()["metrics"]["total_ms"] > 10000, r.text[:300]
+    assert _replica(client) == before
 
 
 def test_a_lost_rank_makes_serve_replace_the_whole_group(par, client, base_url):

@@ -41,9 +41,11 @@ def bundles(model: ModelConfig, replica: ReplicaConfig) -> list[dict[str, float]
     return [dict(one) for _ in range(model.parallel.world)]
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, concurrency_groups={"health": 1})
 class RankWorker:
-    """Rank k > 0 of a parallel replica: the same engine, joined to rank 0's group."""
+    """Rank k > 0 of a parallel replica: the same engine, joined to rank 0's group. Its calls run
+    one at a time on one thread; `ping` has a thread of its own, so that a health check is
+    answered during a long call."""
 
     def __init__(self, factory, cfg: ModelConfig, rank: int, address: str, port: int, timeout_s: float):
         self.engine = factory(cfg)
@@ -53,6 +55,7 @@ class RankWorker:
     def call(self, method: str, args: tuple, kwargs: dict) -> None:
         getattr(self.engine, method)(*args, **kwargs)  # rank 0 answers; this one only takes part
 
+    @ray.method(concurrency_group="health")
     def ping(self) -> dict[str, Any]:
         return _rank_info(self.engine)
 
