@@ -284,13 +284,25 @@ def test_webhook_targets_without_an_allow_list():
         rx.close()
 
 
+def _prepared():
+    """A small prepared request, for a runner driven without a replica."""
+    from serve_app.schemas import PreparedRequest
+
+    return PreparedRequest(request_id="r", prompts=["a"], height=32, width=32, num_inference_steps=2,
+                           guidance_scale=1.0, seed=1, num_images=1, output_format="png",
+                           negative_prompt=None)  # fmt: skip
+
+
+async def _no_abort(_request_id):
+    return None
+
+
 def test_a_job_just_stored_is_not_resumed_before_its_lease_is_written(tmp_path):
     """An ingress stores a new job's record, then its lease: a resume pass in between (of this
     ingress or another) must not take the job for an orphan and run it a second time. A record
     that got no lease within a lease's time is an orphan."""
     from serve_app.config import JobsConfig
     from serve_app.jobs import JobRunner
-    from serve_app.schemas import PreparedRequest
 
     store = Store(str(tmp_path / "s"))
     cfg = JobsConfig(store=str(tmp_path / "s"), lease_s=30)
@@ -300,15 +312,10 @@ def test_a_job_just_stored_is_not_resumed_before_its_lease_is_written(tmp_path):
         ran.append(request.request_id)
         yield None
 
-    async def nothing(_):
-        return None
-
     async def scenario():
         # Not started: its own background pass would race the one below.
-        runner = JobRunner(store, cfg, stream, nothing, lambda job: job)
-        prepared = PreparedRequest(request_id="r", prompts=["a"], height=32, width=32, num_inference_steps=2,
-                                   guidance_scale=1.0, seed=1, num_images=1, output_format="png",
-                                   negative_prompt=None)  # fmt: skip
+        runner = JobRunner(store, cfg, stream, _no_abort, lambda job: job)
+        prepared = _prepared()
         for job_id, age in (("job_" + "a" * 32, 1.0), ("job_" + "b" * 32, 31.0)):
             job = JobRecord(id=job_id, route="r", model="m", state="queued", created_at=time.time() - age,
                             request_id="r", output_format="png", owner="another")  # fmt: skip
@@ -332,7 +339,7 @@ def test_a_job_deleted_while_its_result_is_stored_leaves_no_files(tmp_path):
     waiting for retention."""
     from serve_app.config import JobsConfig
     from serve_app.jobs import JobRunner
-    from serve_app.schemas import GenerationResult, PreparedRequest, StageMetrics, StepEvent
+    from serve_app.schemas import GenerationResult, StageMetrics, StepEvent
 
     store = Store(str(tmp_path / "s"))
     cfg = JobsConfig(store=str(tmp_path / "s"), lease_s=30)
@@ -345,14 +352,9 @@ def test_a_job_deleted_while_its_result_is_stored_leaves_no_files(tmp_path):
         store.delete(job_id)  # the DELETE lands between the last step and the result
         yield made
 
-    async def nothing(_):
-        return None
-
     async def scenario():
-        runner = JobRunner(store, cfg, stream, nothing, lambda job: job)
-        prepared = PreparedRequest(request_id="r", prompts=["a"], height=32, width=32, num_inference_steps=2,
-                                   guidance_scale=1.0, seed=1, num_images=1, output_format="png",
-                                   negative_prompt=None)  # fmt: skip
+        runner = JobRunner(store, cfg, stream, _no_abort, lambda job: job)
+        prepared = _prepared()
         job = JobRecord(id=job_id, route="r", model="m", state="queued", created_at=time.time(),
                         request_id="r", output_format="png")  # fmt: skip
         assert await runner.submit(job, prepared) is job
