@@ -4,7 +4,8 @@
 # past 90 s and 150 s. The limits add up to about 25 minutes, more than a 10-minute device call
 # or a 15-minute lease: pick parts with ONLY=. Not yet measured on a GPU (2026-12-04), in order:
 # ONLY="throughput whole" (460 s: continuous batching against whole calls, issue 53), then
-# ONLY="tenants latency abort lora" (420 s at most), then ONLY="models accel" (420 s).
+# ONLY="tenants latency abort lora" (420 s at most), then ONLY="models accel" (420 s); for issue
+# 54, ONLY=fast (360 s), then FLUX_FAST_ARGS="--model builtin:flux-arch --device cuda" ONLY=flux_fast.
 #
 #   bash benchmarks/gpu_suite.sh [OUTDIR]          # default OUTDIR: $OUT, else benchmarks/results/gpu
 #
@@ -56,6 +57,18 @@ run cache 90 bench_cache.py "${M[@]}" --models "${C[@]}" --size "$size" --steps 
     --rounds 2 --out "$out/cache.json"
 run accel 240 bench_accel.py "${M[@]}" --size "$size" --steps "$steps" --batch 8 --rounds 2 \
     --out "$out/accel.json"
+# The fast path (issue 54, `speed: max`): compiled with CUDA graphs against the eager raw pipeline
+# at batch 1 and 16, the warm-up of both shapes cold and then cached in a second process, one HTTP
+# client on it. Goals: batch 1 >= 3x eager and >= 100 steps/s, batch 16 >= 1.5x, HTTP <= 1.05x.
+run fast 360 bench_fast.py "${M[@]}" --size "$size" --steps "$steps" --batch 16 --rounds 3 \
+    --out "$out/fast.json"
+# FLUX.1 shapes with float8 on the fast path (compute capability 8.9+), against bf16 eager; goal
+# >= 1.6x at PSNR >= 30 dB. Opt in (up to 300 s): FLUX_FAST_ARGS="--model builtin:flux-arch --device cuda".
+if [[ -n "${FLUX_FAST_ARGS:-}" ]]; then
+    read -r -a FF <<< "$FLUX_FAST_ARGS"
+    run flux_fast 300 bench_fast.py "${FF[@]}" --size 1024 --steps 4 --batch 1 --rounds 3 --no-http \
+        --out "$out/flux_fast.json"
+fi
 run joining 120 bench_joining.py "${M[@]}" --size "$size" --steps "$steps" --requests 24 \
     --out "$out/joining.json"
 run models 180 bench_models.py "${M[@]}" --size "$size" --steps "$steps" --loads 3 --out "$out/models.json"

@@ -19,6 +19,8 @@ from serve_app.config.deployments import (  # re-exported: one configuration
     MultiplexSettings,
     ReplicaConfig,
 )
+from serve_app.config.optimizations import Acceleration as Acceleration
+from serve_app.config.optimizations import Optimizations, check_speed
 from serve_app.config.parallel import ParallelConfig, check_parallel
 from serve_app.config.services import PRIORITIES as PRIORITIES
 from serve_app.config.services import (  # re-exported: one configuration
@@ -44,11 +46,8 @@ BUILTIN_MODELS = (
 )  # fmt: skip
 
 
-# Step caching levels, from none to the most steps served from the cache (engine/step_cache.py).
-Acceleration = Literal["none", "fast", "faster"]
-
-
 __all__ = [
+    "Optimizations",
     "SafetyConfig",
     "AuthConfig",
     "ResultCacheConfig",
@@ -63,33 +62,6 @@ __all__ = [
     "ReplicaConfig",
     "TenantConfig",
 ]
-
-
-class Optimizations(_Strict):
-    """Optional accelerations, all off by default; `benchmarks/bench_accel.py` measures each."""
-
-    channels_last: bool = Field(False, description="UNet and VAE in channels-last memory format.")
-    vae_slicing: bool = Field(False, description="Decode a batch one image at a time (less peak memory).")
-    vae_tiling: bool = Field(False, description="Decode in tiles (large images in less memory).")
-    attention_backend: str | None = Field(
-        None, description="diffusers attention backend of the denoiser, e.g. 'native', 'flash', 'sage'."
-    )
-    compile_denoiser: bool = Field(
-        False, description="torch.compile the UNet/transformer (slow first calls)."
-    )
-    cpu_offload: Literal["none", "model", "sequential"] = Field(
-        "none", description="Keep idle submodules on the CPU (CUDA only): fits large models in less memory."
-    )
-    quantize: Literal["none", "int8_weight_only", "int8_dynamic", "float8_weight_only"] = Field(
-        "none",
-        description="Quantize the denoiser's linear layers with torchao (`pip install torchao`): int8 "
-        "weights (int8_dynamic: int8 activations too), or float8 weights (CUDA, compute capability 8.9+).",
-    )
-    step_cache: Acceleration = Field(
-        "none",
-        description="The `acceleration` of requests that name none: `fast`/`faster` serve some steps' "
-        "block outputs from a cache (diffusers' TaylorSeer hooks).",
-    )
 
 
 class SafetyConfig(_Strict):
@@ -187,6 +159,18 @@ class ModelConfig(_Strict):
     warmup_steps: int = Field(
         2, ge=1, description="Denoising steps of the warm-up call (and of the self-test)."
     )
+    warmup_sizes: list[str] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Under `optimizations.speed: max`: the sizes (`WIDTHxHEIGHT`) compiled before traffic; "
+        "default: the native size. Other sizes are served too, uncompiled.",
+    )
+    warmup_batches: list[int] | None = Field(
+        None,
+        max_length=16,
+        description="Under `optimizations.speed: max`: the images per call compiled before traffic; a "
+        "call is padded up to the next of them. Default: 1, 2, 4, ... up to batching.max_batch_images.",
+    )
     cpu_threads: int | None = Field(
         None,
         ge=1,
@@ -213,6 +197,22 @@ class ModelConfig(_Strict):
         description="`module:Class` of a mixin whose methods are mixed into the engine (a worker "
         "extension); serve_app.testing:FaultInjection is the one the tests use to inject faults.",
     )
+
+    @field_validator("warmup_sizes")
+    @classmethod
+    def _sizes(cls, v: list[str]) -> list[str]:
+        for size in v:
+            m = re.fullmatch(r"(\d+)x(\d+)", size)
+            if not m or any(int(x) < 8 or int(x) % 8 for x in m.groups()):
+                raise ValueError(f"{size!r}: WIDTHxHEIGHT, each a multiple of 8")
+        return v
+
+    @field_validator("warmup_batches")
+    @classmethod
+    def _batches(cls, v: list[int] | None) -> list[int] | None:
+        if v is not None and (not v or any(b < 1 or b > 64 for b in v)):
+            raise ValueError("one or more batch sizes, each 1 to 64")
+        return sorted(set(v)) if v is not None else None
 
     @field_validator("engine_extension")
     @classmethod
@@ -445,6 +445,7 @@ def _within_limits(s: Served, where: str) -> None:
         raise ValueError(f"{where}.dtype=float16 is not supported on CPU; use float32 or bfloat16")
     if m.device == "cpu" and m.optimizations.cpu_offload != "none":
         raise ValueError(f"{where}.optimizations.cpu_offload needs model.device cuda")
+    check_speed(m, s.multiplex is not None, where)
     if m.parallel.world > 1:
         check_parallel(m, where)
         if s.multiplex is not None:

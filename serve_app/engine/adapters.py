@@ -132,6 +132,11 @@ class InForce:
             self.pipe.set_adapters([n for n, _ in want], [s for _, s in want])
         self.active = want
 
+    @property
+    def hooked(self) -> bool:
+        """Whether the set in force is put there by hooks (`row_hooks`: a DoRA adapter in it)."""
+        return self._undo is not None
+
     def forget(self) -> None:
         if self._undo is not None:
             undo, self._undo = self._undo, None

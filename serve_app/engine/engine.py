@@ -35,7 +35,9 @@ from serve_app.engine.adapters import (
     row_hooks,
 )
 from serve_app.engine.checks import MAX_EMBED_TOKENS, RESERVED_EXTRA_KEYS, CallChecks
+from serve_app.engine.description import describe_engine
 from serve_app.engine.families import Family, describe_pipeline
+from serve_app.engine.fast import FastPath
 from serve_app.engine.loading import (
     apply_optimizations,
     copy_weights,
@@ -51,7 +53,6 @@ from serve_app.engine.loading import (
     resolve_device,
     resolve_dtype,
     scheduler_class,
-    weights_held,
 )
 from serve_app.engine.media import encode_image
 from serve_app.engine.rollout import check_rollout
@@ -153,6 +154,9 @@ class DiffusionEngine:
         )  # fmt: skip
         if cfg.safety is not None:
             self._runner.safety = SafetyChecker(cfg.safety, self.device)
+        self.fast: FastPath | None = None  # `speed: max`: the compiled modules (`fast`)
+        if cfg.optimizations.speed == "max":
+            self.fast = FastPath(self.pipe, denoiser, self.device, self.dtype, cfg)
         logger.info(
             "loaded %s on %s/%s in %.1fs (native %dx%d)",
             cfg.source, self.device, self.dtype, self.load_s, self.default_width, self.default_height,
@@ -190,43 +194,7 @@ class DiffusionEngine:
 
     @exported
     def describe(self) -> dict[str, Any]:
-        fam = self.family
-        return {
-            "model": self.model_name,
-            "source": self.cfg.source,
-            "pipeline": type(self.pipe).__name__,
-            "family": fam.name,
-            "modality": fam.modality,
-            "tasks": self.tasks,
-            "inputs": fam.inputs()
-            + (["image"] if {"img2img", "edit"} & set(self.tasks) else [])
-            + (["mask"] if "inpaint" in self.tasks else []),
-            "takes_guidance": fam.guidance,
-            "reference_images": fam.image_input == "references",
-            "image_input": fam.image_input,
-            "embeds_dim": fam.embeds_dim,
-            "embeds_tokens": fam.embeds_tokens,
-            "pooled_dim": fam.pooled_dim,
-            "default_num_frames": self.default_num_frames,
-            "default_fps": self.cfg.default_fps if self.video else None,
-            "frame_rule": list(fam.frame_rule) if fam.frame_rule else None,
-            "edit_strength": self._checks.edit_strength(),
-            "scheduler": type(self.pipe.scheduler).__name__,
-            "device": str(self.device),
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "default_height": self.default_height,
-            "default_width": self.default_width,
-            "default_steps": self.cfg.default_steps,
-            "default_guidance_scale": self.cfg.default_guidance_scale,
-            "accelerations": list(self.accelerations),
-            "samplers": self.schedulers.describe(),
-            "default_sampler": self.schedulers.default[0],
-            "default_sigma_schedule": self.schedulers.default[1],
-            "sampler_kind": "flow" if self.schedulers.flow else "discrete",
-            "load_s": round(self.load_s, 3),
-            **weights_held(find_denoiser(self.pipe)),
-            "rpc_methods": rpc_methods(self),
-        }
+        return describe_engine(self)
 
     # ------------------------------------------------------------------ checks (see `checks`)
 
@@ -285,6 +253,7 @@ class DiffusionEngine:
             raise LoraError(f"{path}: a DoRA adapter is not loaded with model.optimizations.cpu_offload")
         self._in_force.forget()  # set the adapters again on the next call
         install_adapter(self.pipe, name, path, state)
+        self._layers_changed(name)
 
     def load_denoiser_weights(self, weights: dict[str, torch.Tensor], version: int) -> int:
         """Replace the denoiser's weights named in `weights` (a trainer's, all of them or some),
@@ -299,11 +268,22 @@ class DiffusionEngine:
     def unload_lora(self, name: str) -> None:
         self._in_force.forget()
         remove_adapter(self.pipe, name)
+        self._layers_changed(name)
+
+    def _layers_changed(self, adapter: str) -> None:
+        """After an adapter came or went, the fast path compiles its warmed shapes again (the
+        denoiser's LoRA layers are in its graphs); swapping among loaded adapters does not."""
+        if self.fast is not None:
+            self.fast.forget_adapter(adapter)
+            if self.fast.warmed_shapes:
+                self.warmup()
 
     def _apply_lora(self, loras: tuple[tuple[str, float], ...]) -> None:
         """Make exactly these adapters active at their scales (none, or every scale 0: the base
-        model, bit for bit)."""
+        model, bit for bit; on the fast path, every scale of the others 0)."""
         self._in_force.set(loras)
+        if self.fast is not None and not self._in_force.hooked:
+            self.fast.hold_adapters(self._in_force.active)
 
     def _row_adapters(self, rows: Sequence[Row], params: CallParams):
         """Put each row's adapters in force; returns the undo.
@@ -315,29 +295,42 @@ class DiffusionEngine:
         sets = row_adapter_sets(rows, params)
         if all(s == sets[0] for s in sets):
             self._apply_lora(sets[0])
-            return lambda: None
-        self._in_force.forget()  # the row hooks (text encoders' too) replace it for this call
-        return row_hooks(self.pipe, sets)
+            undo, hooked = (lambda: None), self._in_force.hooked
+        else:
+            self._in_force.forget()  # the row hooks (text encoders' too) replace it for this call
+            undo, hooked = row_hooks(self.pipe, sets), True
+        # Hooks in the denoiser's graph: on the fast path the call runs uncompiled.
+        return undo if self.fast is None or not hooked else self.fast.eager_until(undo)
 
     # ------------------------------------------------------------------ running (see `runs`)
 
     def self_test(self) -> None:
         """One short known-good call; raises if the engine cannot run even that."""
-        self.warmup()
+        self._short_call(self.default_width, self.default_height, 1)
 
     def warmup(self) -> None:
+        """One short call before traffic; on the fast path, one for every shape it compiles (the
+        compile cache read first and written after, `model.optimizations.compile_cache`)."""
         t = time.perf_counter()
+        if self.fast is None:
+            self._short_call(self.default_width, self.default_height, 1)
+        else:
+            sizes = [tuple(map(int, s.split("x"))) for s in self.cfg.warmup_sizes]
+            sizes = sizes or [(self.default_width, self.default_height)]
+            self.fast.warm(self._short_call, sizes, self.cfg.warmup_batches or [1])
+        logger.info("warm-up took %.2fs", time.perf_counter() - t)
+
+    def _short_call(self, width: int, height: int, batch: int) -> None:
         task = self.tasks[0]  # "generate"; "edit" for a model that starts from an image
         params = CallParams(
-            height=self.default_height,
-            width=self.default_width,
+            height=height,
+            width=width,
             steps=self.cfg.warmup_steps,
             guidance_scale=self.cfg.default_guidance_scale,
             task=task,
         )
         image = None if task == "generate" else Image.new("RGB", (params.width, params.height), "gray")
-        self.run([Row("warm-up", None, 0, image=image)], params)
-        logger.info("warm-up took %.2fs", time.perf_counter() - t)
+        self.run([Row("warm-up", None, i, image=image) for i in range(batch)], params)
 
     def run(self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None = None) -> EngineOutput:
         """Run one pipeline call over `rows`; raises whatever the pipeline raises. Among ranks
@@ -345,7 +338,10 @@ class DiffusionEngine:
         if self.group is not None:
             self.group.begin(len(rows))
             step_hook = parallel.agreeing(self.group, step_hook)
-        return self._runner.whole(rows, params, step_hook, self._row_adapters)
+        if self.fast is None:
+            return self._runner.whole(rows, params, step_hook, self._row_adapters)
+        with self.fast.eager(params.acceleration != "none"):  # a step cache's hooks: uncompiled
+            return self._runner.whole(rows, params, step_hook, self._row_adapters)
 
     def split_across(self, group: parallel.Group) -> None:
         """From now on share each call among the ranks of `group` as `model.parallel` says: the

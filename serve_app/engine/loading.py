@@ -228,6 +228,7 @@ _QUANTIZERS = {
     "int8_weight_only": "Int8WeightOnlyConfig",
     "int8_dynamic": "Int8DynamicActivationInt8WeightConfig",
     "float8_weight_only": "Float8WeightOnlyConfig",
+    "float8_dynamic": "Float8DynamicActivationFloat8WeightConfig",
 }
 
 

@@ -140,3 +140,8 @@ def step_cache(
         registry.reset_stateful_hooks(recurse=True)
         registry.remove_hook(_TAYLORSEER_CACHE_HOOK, recurse=True)  # also a half-done install's
         registry.invalidate_child_registries_cache()
+        for name in blocks:  # the hooks' registries leave the class's forward set on each block:
+            block = denoiser.get_submodule(name)  # gone, a compiled denoiser's graphs fit again
+            own = block.__dict__.get("forward")
+            if own is not None and getattr(own, "__func__", None) is type(block).forward:
+                del block.__dict__["forward"]

@@ -33,6 +33,7 @@ from serve_app.config import (
     ProfilingConfig,
     ReplicaConfig,
 )
+from serve_app.config.optimizations import warm_batches
 from serve_app.engine import Engine, EngineOutput, LoraError, ModelLoadError
 from serve_app.engine.engine import engine_class
 from serve_app.engine.media import encode_output
@@ -74,7 +75,7 @@ class DiffusionReplica(AdapterControl, CheckpointServing):
         default_model: str | None = None,
     ):
         # Typed settings pass through as they are (validated once, when the app was built).
-        self.cfg = ModelConfig.model_validate(model)
+        self.cfg = warm_batches(ModelConfig.model_validate(model), batching)
         self.replica_cfg = ReplicaConfig.model_validate(replica or {})
         lora_cfg = LoraConfig.model_validate(lora or {})
         self._engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine")
@@ -326,7 +327,7 @@ class DiffusionReplica(AdapterControl, CheckpointServing):
             model=self.engine.model_name,
             tenants=s.tenants(),
             checkpoints_held=self.checkpoints.held if self.checkpoints is not None else [],
-            ranks=self.engine.rank_status() if isinstance(self.engine, RankedEngine) else [],
+            **_engine_parts(self.engine),
         )
 
     def queue_length(self) -> int:
@@ -395,3 +396,12 @@ def _either(*answers: dict[str, str]) -> dict[str, str]:
     rank = {"aborted": 2, "finished": 1}
     ids = {rid for answer in answers for rid in answer}
     return {rid: max((a.get(rid, "unknown") for a in answers), key=lambda s: rank.get(s, 0)) for rid in ids}
+
+
+def _engine_parts(engine) -> dict[str, Any]:
+    """What a replica's stats say of its engine's ranks (`model.parallel`) and fast path."""
+    fast = getattr(engine, "fast", None)
+    return {
+        "ranks": engine.rank_status() if isinstance(engine, RankedEngine) else [],
+        "fast_path": fast.status() if fast is not None else None,
+    }

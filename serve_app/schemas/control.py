@@ -49,6 +49,12 @@ class ReplicaStats(BaseModel):
         "denoiser calls run split so far and, with ulysses or ring, the tokens its share of the last "
         "call held (the workers' as of the last health check).",
     )
+    fast_path: dict[str, Any] | None = Field(
+        None,
+        description="Under `model.optimizations.speed: max`: the compile mode, the shapes compiled before "
+        "traffic (`warmed_shapes`, and the rows each compiled module was warmed at), calls run "
+        "compiled and uncompiled, the compile cache's outcome, float8 and the attention backend.",
+    )
 
 
 class ModelStatus(BaseModel):
