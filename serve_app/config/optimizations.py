@@ -23,8 +23,9 @@ class Optimizations(_Strict):
         "off",
         description="`max`: the fastest path the model and device allow, warmed before traffic: the "
         "denoiser compiled (a UNet whole, in channels-last; a transformer's repeated blocks), on CUDA "
-        "with CUDA graphs and the inductor settings of the fast recipes (`compile_mode`); the image decoder compiled; "
-        "calls padded up to the warmed batch sizes (`model.warmup_sizes`, `model.warmup_batches`); "
+        "with CUDA graphs and the inductor settings of the fast recipes (`compile_mode`); the image "
+        "decoder compiled; calls padded up to the warmed batch sizes (`model.warmup_sizes`, "
+        "`model.warmup_batches`); "
         "on a GPU of compute capability 8.9+ a transformer's linear layers in float8 (torchao) and the "
         "fastest attention backend installed. Adapters are swapped without recompiling.",
     )
