@@ -281,9 +281,10 @@ class DiffusionEngine:
     def _apply_lora(self, loras: tuple[tuple[str, float], ...]) -> None:
         """Make exactly these adapters active at their scales (none, or every scale 0: the base
         model, bit for bit; on the fast path, every scale of the others 0)."""
+        before = self._in_force.active
         self._in_force.set(loras)
-        if self.fast is not None and not self._in_force.hooked:
-            self.fast.hold_adapters(self._in_force.active)
+        if self.fast is not None and not self._in_force.hooked and self._in_force.active != before:
+            self.fast.hold_adapters(self._in_force.active)  # PEFT's set changed the layers
 
     def _row_adapters(self, rows: Sequence[Row], params: CallParams):
         """Put each row's adapters in force; returns the undo.
