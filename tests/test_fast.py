@@ -267,6 +267,7 @@ def served(ray_cluster):
         model={"optimizations": FAST, "warmup_batches": [1, 2], "default_steps": 3},
         batching={"max_batch_images": 2, "step_joining": True},
         replica={"init_timeout_s": 900},
+        jobs={"store": str(SESSION_DIR / "fast-store")},  # its own: the shared app runs none of its jobs
     )
     deploy(APP, args)
     yield f"/{APP}"
@@ -333,3 +334,25 @@ def _burst(client) -> None:
     assert {
         (a.json()["metrics"]["batch_requests"], a.json()["metrics"]["batch_images"]) for a in answers
     } == {(2, 2)}
+
+
+def test_a_job_runs_compiled_and_an_abort_stops_one_at_a_step(served, client):
+    from serve_app.testing import SLOW_MARKER
+    from tests.conftest import wait_for
+    from tests.test_jobs import finished, submit
+
+    before = fast_status(client)
+    job = submit(client, {"prompt": "a boat", "seed": 3, "size": "32x32"}, prefix=served).json()
+    assert finished(client, job["id"], prefix=served)["state"] == "done"
+    after = fast_status(client)
+    assert (
+        after["compiled_calls"] > before["compiled_calls"] and after["eager_calls"] == before["eager_calls"]
+    )
+    body = {"prompt": f"long {SLOW_MARKER}", "num_inference_steps": 50, "size": "32x32"}
+    slow = submit(client, body, prefix=served).json()
+    wait_for(lambda: client.get(f"{served}/v1/jobs/{slow['id']}").json()["step"] >= 2, 60)
+    r = client.delete(f"{served}/v1/jobs/{slow['id']}")
+    assert r.status_code == 200 and r.json()["state"] == "aborted", r.text
+    got = client.get(f"{served}/v1/jobs/{slow['id']}").json()
+    assert got["state"] == "aborted" and got["step"] < 50
+    assert fast_status(client)["eager_calls"] == before["eager_calls"]  # it ran compiled until stopped
