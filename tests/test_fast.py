@@ -160,12 +160,13 @@ def test_adapters_in_turn_cause_no_recompilation(adapters):
         assert calls(fast)[1] == before[1] + 4
         images(fast, 1, loras=(("fast-b", 1.0),))
 
-        # A fourth adapter changes the layers: the warmed shape is compiled again at its load.
+        # A fourth adapter changes the layers: the next call compiles the warmed shape again first.
         fast.load_lora("fast-d", adapters["fast-d"])
         eager.load_lora("fast-d", adapters["fast-d"])
-        assert dict(torch._dynamo.utils.counters["stats"]) != graphs
+        assert fast.fast.stale and dict(torch._dynamo.utils.counters["stats"]) == graphs
         loras = (("fast-d", 1.0),)
         assert psnr(images(fast, 1, loras=loras)[0], images(eager, 1, loras=loras)[0]) >= 30
+        assert dict(torch._dynamo.utils.counters["stats"]) != graphs and not fast.fast.stale
         fast.unload_lora("fast-a")
         images(fast, 1, loras=(("fast-b", 1.0),))  # compiled again without it (else: raises)
     finally:
@@ -211,14 +212,14 @@ print(json.dumps({"status": e.describe()["fast_path"], "inductor": counts}))
 
 def test_another_process_reads_the_compiled_kernels_from_the_cache(sd, tmp_path):
     fast, _ = sd
-    assert fast.fast.cache in ("miss", "hit") and any((CACHE / "inductor").iterdir())
+    assert fast.fast.cache in ("empty directory", "directory") and any((CACHE / "inductor").iterdir())
     # A new machine's process: its own empty inductor cache, the shared compile cache.
     env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
     run = subprocess.run([sys.executable, "-c", CHILD, json.dumps(FAST)], env=env, capture_output=True,
                          text=True, timeout=600, cwd=os.getcwd())  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
-    assert report["status"]["compile_cache"] == "hit"
+    assert report["status"]["compile_cache"] == "directory"
     assert report["inductor"].get("fxgraph_cache_hit", 0) >= 2, report["inductor"]
     assert report["inductor"].get("fxgraph_cache_miss", 0) == 0, report["inductor"]  # nothing compiled
 
@@ -234,6 +235,8 @@ def test_another_process_reads_the_compiled_kernels_from_the_cache(sd, tmp_path)
         ({"optimizations": {"speed": "max"}, "parallel": {"cfg": 2}}, "model.parallel"),
         ({"optimizations": {"speed": "max"}, "warmup": False}, "model.warmup"),
         ({"optimizations": {"compile_cache": "/tmp/x"}}, "compile_cache"),
+        ({"optimizations": {"speed": "max", "step_cache": "fast"}}, "optimizations.step_cache"),
+        ({"warmup_batches": [1, 2]}, "model.warmup_batches"),
         ({"optimizations": {"speed": "max", "compile_cache": "relative/dir"}}, "compile_cache"),
         ({"warmup_sizes": ["64x60"]}, "warmup_sizes"),
         ({"warmup_batches": [0]}, "warmup_batches"),
@@ -284,7 +287,7 @@ def test_an_application_on_the_fast_path_through_the_official_client(served, cli
 
     status = fast_status(client)
     assert status["warmed_shapes"] == [{"width": SIZE, "height": SIZE, "batch": b} for b in (1, 2)]
-    assert status["compile_cache"] in ("hit", "saved", "miss")
+    assert status["compile_cache"] == "directory"  # the in-process engines filled it
     calls_before = (status["compiled_calls"], status["eager_calls"])
     oai = OpenAI(base_url=f"{base_url}/{APP}/v1", api_key="unused", max_retries=0)
     body = {"seed": 10, "guidance_scale": 5.0}

@@ -79,14 +79,23 @@ def check_speed(model, pooled: bool, where: str) -> None:
     """Refuse, naming the field, what `speed: max` cannot combine with (ValueError)."""
     opt = model.optimizations
     if opt.speed != "max":
-        if opt.compile_mode is not None or opt.compile_cache is not None:
-            raise ValueError(f"{where}.optimizations.compile_mode and compile_cache apply under speed: max")
+        fields = {
+            "optimizations.compile_mode": opt.compile_mode,
+            "optimizations.compile_cache": opt.compile_cache,
+            "warmup_sizes": model.warmup_sizes,
+            "warmup_batches": model.warmup_batches,
+        }
+        for field, value in fields.items():
+            if value:
+                raise ValueError(f"{where}.{field}: applies under optimizations.speed: max only")
         return
     clash = {
         "cpu_offload": opt.cpu_offload != "none" and "the fast path keeps the model on its device",
         "compile_denoiser": opt.compile_denoiser and "speed: max compiles the denoiser already",
         "parallel": model.parallel.world > 1 and "a model on several ranks runs uncompiled",
         "warmup": not model.warmup and "the fast path compiles in the warm-up, before traffic",
+        "step_cache": opt.step_cache != "none"
+        and "every request that names no acceleration would run uncompiled",
     }
     if pooled:
         clash["multiplex"] = "a pool's checkpoints run uncompiled"

@@ -275,8 +275,8 @@ class DiffusionEngine:
         denoiser's LoRA layers are in its graphs); swapping among loaded adapters does not."""
         if self.fast is not None:
             self.fast.forget_adapter(adapter)
-            if self.fast.warmed_shapes:
-                self.warmup()
+            # Warmed again at the next call's start (`warm_again`), never inside a paused call.
+            self.fast.stale = bool(self.fast.warmed_shapes)
 
     def _apply_lora(self, loras: tuple[tuple[str, float], ...]) -> None:
         """Make exactly these adapters active at their scales (none, or every scale 0: the base
@@ -316,9 +316,7 @@ class DiffusionEngine:
         if self.fast is None:
             self._short_call(self.default_width, self.default_height, 1)
         else:
-            sizes = [tuple(map(int, s.split("x"))) for s in self.cfg.warmup_sizes]
-            sizes = sizes or [(self.default_width, self.default_height)]
-            self.fast.warm(self._short_call, sizes, self.cfg.warmup_batches or [1])
+            self.fast.warm(self._short_call, self.cfg, (self.default_width, self.default_height))
         logger.info("warm-up took %.2fs", time.perf_counter() - t)
 
     def _short_call(self, width: int, height: int, batch: int) -> None:
@@ -341,6 +339,7 @@ class DiffusionEngine:
             step_hook = parallel.agreeing(self.group, step_hook)
         if self.fast is None:
             return self._runner.whole(rows, params, step_hook, self._row_adapters)
+        self.fast.warm_again(self.warmup)
         with self.fast.eager(params.acceleration != "none"):  # a step cache's hooks: uncompiled
             return self._runner.whole(rows, params, step_hook, self._row_adapters)
 
@@ -396,8 +395,12 @@ class DiffusionEngine:
         """Start a joined run of calls with `params` whose rows all have `adapters` (or none);
         rows are added and stepped by the returned `JoinedRun` (see `joining`)."""
         adapters = adapters or params.loras
+        if self.fast is not None:
+            self.fast.warm_again(self.warmup)
         self._apply_lora(adapters)
         restore = vae_modes(self.pipe, params)
+        if self.fast is not None and self._in_force.hooked:  # a DoRA set: its hooks, uncompiled
+            restore = self.fast.eager_until(restore)
         self._runner.memory.start()
         denoiser = find_denoiser(self._task_pipes[params.task])
         return JoinedRun(params, adapters, denoiser, self._row_call, self._apply_lora, restore)

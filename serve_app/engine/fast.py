@@ -48,7 +48,7 @@ class Padded:
         self.name = name
         self.eager = module.forward
         self.compiled = compiled
-        self.graphs = graphs  # CUDA graphs: mark each call a new step, copy outputs out
+        self.graphs = graphs  # CUDA graphs inside: each call a new step of theirs, outputs copied out
         self.warmed: dict[Any, set[int]] = {}  # layout past the rows -> the row counts compiled
         module.forward = self
 
@@ -61,7 +61,7 @@ class Padded:
             self.warmed.setdefault(key, set()).add(n)
             return self._run(args, kwargs, "default")
         bucket = min((m for m in self.warmed.get(key, ()) if m >= n), default=None)
-        if fast.eager_depth or bucket is None:
+        if fast.eager_depth or fast.stale or bucket is None:
             fast.eager_calls += 1
             with torch.compiler.set_stance("force_eager"):
                 return self.eager(*args, **kwargs)
@@ -92,6 +92,7 @@ class FastPath:
         self.mode = opt.compile_mode or ("reduce-overhead" if device.type == "cuda" else "default")
         self.warming = False
         self.eager_depth = 0
+        self.stale = False  # the layers changed (an adapter came or went): warm again first
         self.miss_stance = "eager_on_recompile"  # the tests set "fail_on_recompile"
         self.compiled_calls = 0
         self.eager_calls = 0
@@ -109,8 +110,11 @@ class FastPath:
             if opt.quantize == "none" and _float8_pays(denoiser, device):
                 from serve_app.engine.loading import quantize_denoiser
 
-                quantize_denoiser(denoiser, "float8_dynamic", device)
-                self.quantized = "float8_dynamic"
+                try:
+                    quantize_denoiser(denoiser, "float8_dynamic", device)
+                    self.quantized = "float8_dynamic"
+                except ModelLoadError as e:  # not asked for by name: run in the model's dtype
+                    logger.warning("fast path without float8: %s", e)
         denoiser.requires_grad_(False)
         graphs = device.type == "cuda" and self.mode in _GRAPH_MODES
         blocks = getattr(denoiser, "_repeated_blocks", None)
@@ -123,11 +127,13 @@ class FastPath:
                 denoiser.compile_repeated_blocks(dynamic=False, mode=self.mode, fullgraph=True)
             except ValueError as e:
                 raise ModelLoadError(f"model.optimizations.speed: {e}") from None
-            self.modules = {"denoiser": Padded(self, denoiser, denoiser.forward, "denoiser", False)}
+            self.modules = {"denoiser": Padded(self, denoiser, denoiser.forward, "denoiser", graphs)}
         decoder = getattr(getattr(pipe, "vae", None), "decoder", None)
         if isinstance(decoder, torch.nn.Module) and decoder.__class__.__name__ == "Decoder":  # an image VAE's
             # No CUDA graphs in the decoder: joined runs decode on their seats' threads.
-            mode = "max-autotune-no-cudagraphs" if self.mode in _GRAPH_MODES else self.mode
+            mode = {"max-autotune": "max-autotune-no-cudagraphs", "reduce-overhead": "default"}.get(
+                self.mode, self.mode
+            )
             decode = torch.compile(decoder.forward, dynamic=False, mode=mode)
             self.modules["vae_decoder"] = Padded(self, decoder, decode, "vae_decoder", False)
 
@@ -152,26 +158,24 @@ class FastPath:
 
         return done
 
-    def warm(
-        self,
-        run: Callable[[int, int, int], None],
-        sizes: list[tuple[int, int]],
-        batches: list[int],
-    ) -> None:
-        """Compile every (width, height, batch) by running it (`run(width, height, batch)`), before
-        traffic; calls with these shapes (or padded up to them) run compiled from then on. With a
-        compile cache at a URL, the kernels compiled before are read from it first, and all of
-        them written to it after."""
+    def warm(self, run: Callable[[int, int, int], None], cfg, native: tuple[int, int]) -> None:
+        """Compile every size of `cfg.warmup_sizes` (default: `native`, as (width, height)) at
+        every batch size of `cfg.warmup_batches` by running it (`run(width, height, batch)`),
+        before traffic; calls with these shapes (or padded up to them) run compiled from then on.
+        With a compile cache at a URL, the kernels compiled before are read from it first, and
+        all of them written to it after."""
+        sizes = [tuple(map(int, s.split("x"))) for s in cfg.warmup_sizes] or [native]
+        batches = cfg.warmup_batches or [1]
         if self.cache_url and self.cache is None:
             self.load_cache(self.cache_url)
-        torch._dynamo.config.recompile_limit = max(
-            torch._dynamo.config.recompile_limit, 2 * len(sizes) * len(batches) + 8
-        )
-        torch._dynamo.config.accumulated_recompile_limit = max(
-            torch._dynamo.config.accumulated_recompile_limit, 64 * len(sizes) * len(batches)
-        )
+        # Only warm-ups compile (calls never do), and each adds entries for its shapes, a
+        # transformer's kinds of block sharing one code object, again after each adapter's load:
+        # dynamo's limits, meant to stop runaway recompiling, would make later shapes run eagerly.
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, 4096)
+        dynamo.accumulated_recompile_limit = max(dynamo.accumulated_recompile_limit, 65536)
         t = time.perf_counter()
-        self.warming = True
+        self.warming, self.stale = True, False
         try:
             for width, height in sizes:
                 for batch in batches:
@@ -183,6 +187,22 @@ class FastPath:
         logger.info("fast path: %d shapes compiled in %.1fs", len(self.warmed_shapes), self.warm_s)
         if self.cache_url:
             self.save_cache(self.cache_url)
+
+    def warm_again(self, warmup: Callable[[], None]) -> None:
+        """After the layers changed (`stale`): `warmup` again; a failure leaves every call eager
+        instead of failing them."""
+        if self.stale:
+            try:
+                warmup()
+            except Exception:
+                logger.exception("fast path: the warm-up after an adapter's change failed; calls run eagerly")
+                self.give_up()
+
+    def give_up(self) -> None:
+        """After a warm-up that failed: every call runs eagerly from now on."""
+        for module in self.modules.values():
+            module.warmed.clear()
+        self.warmed_shapes, self.stale = [], False
 
     def hold_adapters(self, want: tuple[tuple[str, float], ...] | None) -> None:
         """Put `want` in force in the denoiser by the values of its LoRA layers' scaling tensors,
@@ -233,7 +253,7 @@ class FastPath:
             return None
         if place.startswith(("/", "~", "file://")):
             folder = os.path.join(os.path.expanduser(place.removeprefix("file://")), "inductor")
-            self.cache = "hit" if os.path.isdir(folder) and os.listdir(folder) else "miss"
+            self.cache = "directory" if os.path.isdir(folder) and os.listdir(folder) else "empty directory"
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder  # read by inductor at each use
             return None
         device = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"
@@ -256,7 +276,12 @@ class FastPath:
             logger.warning("compile cache %s not read: %s", path, e)
             self.cache = "miss"
             return
-        torch.compiler.load_cache_artifacts(blob)
+        try:
+            torch.compiler.load_cache_artifacts(blob)
+        except Exception as e:  # another torch's, or damaged: compile as if there were none
+            logger.warning("compile cache %s not used: %s", path, e)
+            self.cache = "miss"
+            return
         self.cache = "hit"
 
     def save_cache(self, path: str) -> None:
@@ -320,13 +345,16 @@ def _fast_recipe_flags() -> None:
 
 # Attention backends of diffusers' dispatcher, fastest first (each needs its kernels installed).
 _ATTENTION = ("_flash_3", "flash", "_native_cudnn")
+# The transformers whose attention takes no mask (FlashAttention's backends refuse one): the only
+# ones a backend is picked for unasked.
+_MASKLESS = ("FluxTransformer2DModel", "Flux2Transformer2DModel", "WanTransformer3DModel")
 
 
 def _fastest_attention(denoiser: torch.nn.Module, named: str | None) -> str | None:
     """The attention backend a transformer runs under `speed: max` on CUDA: the one named in
     `attention_backend` (set at load already), else the fastest one that is installed."""
     blocks = getattr(denoiser, "_repeated_blocks", None)
-    if named or not blocks or not hasattr(denoiser, "set_attention_backend"):
+    if named or not blocks or type(denoiser).__name__ not in _MASKLESS:
         return named
     for backend in _ATTENTION:
         try:
