@@ -26,7 +26,8 @@ class Optimizations(_Strict):
         "with CUDA graphs and the inductor settings of the fast recipes (`compile_mode`); the image "
         "decoder compiled; calls padded up to the warmed batch sizes (`model.warmup_sizes`, "
         "`model.warmup_batches`); "
-        "on a GPU of compute capability 8.9+ a transformer's linear layers in float8 (torchao) and the "
+        "on a GPU of compute capability 8.9+ a transformer's linear layers in float8 (torchao; unless "
+        "`quantize` is set, `none` included) and the "
         "fastest attention backend installed. Adapters are swapped without recompiling.",
     )
     compile_mode: CompileMode | None = Field(

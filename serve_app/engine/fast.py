@@ -98,7 +98,7 @@ class FastPath:
         self.eager_calls = 0
         self.warm_s = 0.0
         self.warmed_shapes: list[dict[str, int]] = []
-        self.cache: str | None = None  # "hit", "miss" or "saved" (compile_cache)
+        self.cache: str | None = None  # a URL's "hit", "miss", "saved"; "directory", "empty directory"
         self.cache_url = self._open_cache(opt.compile_cache, cfg, dtype)
         self.quantized = "none"
         self.attention = None
@@ -107,7 +107,7 @@ class FastPath:
         if device.type == "cuda":
             _fast_recipe_flags()
             self.attention = _fastest_attention(denoiser, opt.attention_backend)
-            if opt.quantize == "none" and _float8_pays(denoiser, device):
+            if "quantize" not in opt.model_fields_set and _float8_pays(denoiser, device):  # unless named
                 from serve_app.engine.loading import quantize_denoiser
 
                 try:
@@ -118,7 +118,7 @@ class FastPath:
         denoiser.requires_grad_(False)
         graphs = device.type == "cuda" and self.mode in _GRAPH_MODES
         blocks = getattr(denoiser, "_repeated_blocks", None)
-        if getattr(pipe, "unet", None) is denoiser or not blocks:  # a UNet whole, in channels-last
+        if getattr(pipe, "unet", None) is denoiser or not blocks:  # a UNet (or SD3's) whole, channels-last
             denoiser.to(memory_format=torch.channels_last)
             whole = torch.compile(denoiser.forward, dynamic=False, mode=self.mode)
             self.modules = {"denoiser": Padded(self, denoiser, whole, "denoiser", graphs)}
