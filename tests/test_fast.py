@@ -257,8 +257,10 @@ def test_what_cannot_combine_is_refused_naming_the_field(model, field):
 
 
 def test_a_pool_is_refused_on_the_fast_path():
-    with pytest.raises(ValueError, match="multiplex"):
-        AppConfig.from_args({"model": {"optimizations": {"speed": "max"}}, "multiplex": {"max_models": 2}})
+    with pytest.raises(ValueError, match="multiplex: not with optimizations.speed: max"):
+        AppConfig.from_args(
+            {"model": {"optimizations": {"speed": "max"}}, "multiplex": {"max_models_per_replica": 2}}
+        )
 
 
 def test_float8_activations_are_refused_on_a_cpu():

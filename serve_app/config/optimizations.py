@@ -90,24 +90,20 @@ def check_speed(model, pooled: bool, where: str) -> None:
             if value:
                 raise ValueError(f"{where}.{field}: applies under optimizations.speed: max only")
         return
-    clash = {
-        "cpu_offload": opt.cpu_offload != "none" and "the fast path keeps the model on its device",
-        "compile_denoiser": opt.compile_denoiser and "speed: max compiles the denoiser already",
-        "parallel": model.parallel.world > 1 and "a model on several ranks runs uncompiled",
-        "warmup": not model.warmup and "the fast path compiles in the warm-up, before traffic",
-        "step_cache": opt.step_cache != "none"
+    clash = {  # the field as the message names it: why it cannot be
+        f"{where}.optimizations.cpu_offload": opt.cpu_offload != "none"
+        and "the fast path keeps the model on its device",
+        f"{where}.optimizations.compile_denoiser": opt.compile_denoiser
+        and "speed: max compiles the denoiser already",
+        f"{where}.parallel": model.parallel.world > 1 and "a model on several ranks runs uncompiled",
+        f"{where}.warmup": not model.warmup and "the fast path compiles in the warm-up, before traffic",
+        f"{where}.optimizations.step_cache": opt.step_cache != "none"
         and "every request that names no acceleration would run uncompiled",
+        "multiplex": pooled and "a pool's checkpoints run uncompiled",
     }
-    if pooled:
-        clash["multiplex"] = "a pool's checkpoints run uncompiled"
     for field, why in clash.items():
         if why:
-            where_field = (
-                f"{where}.{field}" if field in ("parallel", "warmup") else f"{where}.optimizations.{field}"
-            )
-            if field == "multiplex":
-                where_field = "multiplex"
-            raise ValueError(f"{where_field}: not with optimizations.speed: max ({why})")
+            raise ValueError(f"{field}: not with optimizations.speed: max ({why})")
 
 
 def warm_batches(model, batching):
