@@ -138,17 +138,24 @@ class GpuShaped:
 
     @exported
     def device_busy(self) -> dict:
-        """Since the last clear: denoiser calls, their mean rows, and the fraction of the time
-        from the first call's start to the last one's end that the "device" was busy."""
+        """Since the last clear: denoiser calls, their mean rows, the fraction of the time from
+        the first call's start to the last one's end that the "device" was busy, the mean host
+        gap between calls, and how late on average a call came back past its sleep (the engine
+        thread waiting for the GIL or a core after its "device" finished; by the shape now in
+        force)."""
         spans = self.denoiser_spans
         if not spans:
-            return {"calls": 0, "mean_rows": 0.0, "busy": 0.0, "mean_gap_ms": 0.0}
+            return {"calls": 0, "mean_rows": 0.0, "busy": 0.0, "mean_gap_ms": 0.0, "mean_late_ms": 0.0}
         busy = sum(b - a for a, b in spans)
         whole = spans[-1][1] - spans[0][0]
         gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:], strict=False)]
+        step_s, row_s = self._gpu_shape
+        rows = self.denoiser_rows[-len(spans) :]
+        late = [b - a - step_s - row_s * n for (a, b), n in zip(spans, rows, strict=True)]
         return {"calls": len(spans), "mean_rows": sum(self.denoiser_rows) / len(spans),
                 "busy": busy / whole if whole > 0 else 1.0,
-                "mean_gap_ms": 1e3 * sum(gaps) / len(gaps) if gaps else 0.0}  # fmt: skip
+                "mean_gap_ms": 1e3 * sum(gaps) / len(gaps) if gaps else 0.0,
+                "mean_late_ms": 1e3 * sum(late) / len(late)}  # fmt: skip
 
 
 def _asleep(engine, denoiser, sample, *args, return_dict: bool = True, **kwargs):

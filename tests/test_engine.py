@@ -206,3 +206,25 @@ def test_bad_optimizations_are_refused():
         )
     with pytest.raises(ValidationError, match="cpu_offload needs model.device cuda"):
         AppConfig.from_args({"model": {"device": "cpu", "optimizations": {"cpu_offload": "model"}}})
+
+
+def test_a_call_finds_its_device_without_walking_the_modules(engine, monkeypatch):
+    """diffusers' `_execution_device` walks every module of every component at each call; the
+    engine's pipelines answer it from the device found once at load (no CPU offloading here),
+    and a pipeline that was not pinned still walks."""
+    from diffusers import DiffusionPipeline
+
+    walked = []
+    real = torch.nn.Module.modules
+
+    def counting(self):
+        walked.append(type(self).__name__)
+        return real(self)
+
+    monkeypatch.setattr(torch.nn.Module, "modules", counting)
+    assert engine.pipe._execution_device == engine.device
+    out = engine.run([Row("a red circle", None, 1)], SMALL)
+    assert out.images and walked == []
+    other = DiffusionPipeline.__new__(type(engine.pipe))
+    other.__dict__.update({k: v for k, v in engine.pipe.__dict__.items() if k != "_pinned_execution_device"})
+    assert other._execution_device == engine.device and walked

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import io
+import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -206,6 +207,36 @@ def test_calls_share_the_denoiser_only_when_they_can():
     assert torch.equal(seats[0].output, torch.full((1, 4), 3.0))
     assert torch.equal(seats[1].output, torch.full((2, 4), 7.0))
     assert torch.equal(seats[3].output, torch.full((1, 4), 2.0))
+
+
+def test_seats_take_turns_on_the_driving_thread_each_with_its_own_grad_mode():
+    """The seats run in greenlets of the thread that drives the batch (no thread of their own),
+    and a seat's grad mode (a pipeline runs under no_grad) neither leaks into the driver nor
+    into the next seat: each switch carries it over."""
+    net = _Recorder()
+    batch = StepBatch(net, lambda: RuntimeError("stopped"))
+    seen: list[tuple[str, int, bool]] = []
+
+    def row(name: str, grad: bool):
+        def fn(d):
+            with torch.set_grad_enabled(grad):
+                x = torch.ones(1, 4)
+                for _ in range(3):
+                    x = d(x, torch.tensor(0.0))[0]
+                    seen.append((name, threading.get_ident(), torch.is_grad_enabled()))
+                return x
+
+        return fn
+
+    with torch.enable_grad():
+        seats = [batch.add(row("off", False)), batch.add(row("on", True))]
+        while batch.active:
+            batch.step()
+            assert torch.is_grad_enabled()  # the driver's own mode after every step
+    assert all(s.error is None for s in seats) and torch.equal(seats[0].output, torch.full((1, 4), 8.0))
+    assert {(name, grad) for name, _, grad in seen} == {("off", False), ("on", True)}
+    assert {ident for _, ident, _ in seen} == {threading.get_ident()}
+    assert len(seen) == 6
 
 
 # ---------------------------------------------------------------------- the replica

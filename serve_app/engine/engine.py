@@ -48,6 +48,7 @@ from serve_app.engine.loading import (
     model_tasks,
     native_size,
     offered_accelerations,
+    pin_execution_device,
     prepare_pipeline,
     quantize_denoiser,
     resolve_device,
@@ -136,6 +137,8 @@ class DiffusionEngine:
         self.pipe = prepare_pipeline(cfg, self.device, self.dtype, reuse)
         self.load_s = time.perf_counter() - t
         self._task_pipes = derived_pipelines(self.pipe)
+        if cfg.optimizations.cpu_offload == "none":
+            pin_execution_device({id(p): p for p in self._task_pipes.values()}.values())
         denoiser = find_denoiser(self.pipe)
         self.family: Family = describe_pipeline(self.pipe, denoiser)
         self.default_height, self.default_width = native_size(self.pipe, cfg)
