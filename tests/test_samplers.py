@@ -72,13 +72,15 @@ def test_every_sampler_makes_its_own_image_the_same_for_the_same_seed(engines):
 @pytest.mark.parametrize("name", ["Euler a", "DPM2 a", "DPM++ 2M SDE", "DPM++ SDE"])
 def test_a_noisy_sampler_gives_each_row_its_own_seeds_noise(engines, name):
     """Ancestral and SDE samplers draw noise at every step: from the row's own generator (or,
-    for DPM++ SDE's Brownian tree, its own seed), so a row's image is the same alone or in a batch."""
+    for DPM++ SDE's Brownian tree, its own seed), so a row's image is the same alone or in a batch
+    (to one grey level: CPU kernels may block a batch of three differently from one), and another
+    seed's is another image."""
     e = engines("tiny-sd")
     alone = pixels(e.run(ROWS[1:], call(name)).images[0])
     batched = pixels(e.run(ROWS, call(name)).images[1])
-    assert np.array_equal(alone, batched)
+    assert np.abs(alone - batched).max() <= 1
     other_seed = pixels(e.run([dataclasses.replace(ROWS[1], seed=4)], call(name)).images[0])
-    assert not np.array_equal(alone, other_seed)
+    assert np.abs(alone - other_seed).max() > 20
 
 
 def test_rows_of_different_samplers_join_one_run_and_keep_their_images(engines):

@@ -126,8 +126,8 @@ def pixels(e: DiffusionEngine, seed: int = 1) -> np.ndarray:
 )  # fmt: skip
 def test_a_single_file_makes_the_images_of_the_pipeline_it_was_written_from(files, engines, name, config):
     """Its weights come from the file (the seed-1 twin's, whatever the config directory holds)
-    and its configs, tokenizers and scheduler from the config: the same images, pixel for
-    pixel. SDXL's two text encoders are as wide as each other here, and SD3's two CLIPs, so
+    and its configs, tokenizers and scheduler from the config: the same images (to one grey
+    level). SDXL's two text encoders are as wide as each other here, and SD3's two CLIPs, so
     each is found by its prefix, not by its width. A FLUX file holds the transformer alone, at
     a width diffusers' converter cannot read; the other parts are the config's."""
     layout = {"tiny-sd": "sd1", "tiny-sdxl": "sdxl", "tiny-sd3": "sd3", "tiny-flux": "flux"}[name]
@@ -148,9 +148,11 @@ def test_a_single_file_makes_the_images_of_the_pipeline_it_was_written_from(file
         for part in parts:
             mine, built = getattr(other.pipe, part).state_dict(), getattr(seed1.pipe, part).state_dict()
             assert mine.keys() == built.keys() and all(torch.equal(mine[k], built[k]) for k in mine), part
-        assert (pixels(twin) == pixels(engines(name))).all()
+        # Equal weights (above) make the same image to one grey level: a model loaded from a file
+        # may hold its tensors in another memory layout, and CPU kernels round a few ulps apart.
+        assert np.abs(pixels(twin) - pixels(engines(name))).max() <= 1
         if layout != "flux":  # (a FLUX file's other parts are the config's, not the seed-1 twin's)
-            assert (pixels(other) == pixels(seed1)).all()
+            assert np.abs(pixels(other) - pixels(seed1)).max() <= 1
         assert np.abs(pixels(other) - pixels(twin)).max() > 20  # the file's weights, not the config's
     finally:
         for e in (twin, other, seed1):
