@@ -150,7 +150,7 @@ class GpuShaped:
         whole = spans[-1][1] - spans[0][0]
         gaps = [b[0] - a[1] for a, b in zip(spans, spans[1:], strict=False)]
         step_s, row_s = self._gpu_shape
-        rows = self.denoiser_rows[-len(spans) :]
+        rows = self.denoiser_rows[: len(spans)]  # a call in flight has its rows but no span yet
         late = [b - a - step_s - row_s * n for (a, b), n in zip(spans, rows, strict=True)]
         return {"calls": len(spans), "mean_rows": sum(self.denoiser_rows) / len(spans),
                 "busy": busy / whole if whole > 0 else 1.0,
