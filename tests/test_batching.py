@@ -162,6 +162,24 @@ def test_the_engine_thread_steps_a_joined_run_while_the_event_loop_is_busy():
     assert during >= 15, during  # about 40 at 10 ms a step; a step per loop turn made 1
 
 
+def test_a_request_arriving_during_a_step_joins_at_the_next_one():
+    # Handed to the engine thread as it arrives, not after the step in flight ends (by then the
+    # engine thread has begun the step after, and the request would wait a whole step more).
+    async def go(r) -> tuple[int, list[int]]:
+        a = asyncio.ensure_future(r.generate(prepared("a", 4)))
+        while len(r.engine.denoiser_rows) < 2:
+            await asyncio.sleep(0.002)
+        k = len(r.engine.denoiser_rows)  # the k-th call has just begun
+        await r.generate(prepared("b", 2, "a dog"))
+        await a
+        return k, list(r.engine.denoiser_rows)
+
+    with direct_replica("GpuShaped") as (r, loop):
+        r.engine.set_gpu_shape(300, 0)
+        k, rows = loop.run_until_complete(go(r))
+    assert rows[:k] == [2] * k and rows[k] == 4, (k, rows)  # in the call right after
+
+
 def test_injected_faults_reach_joined_calls_too():
     # FaultInjection's markers fail a joined seat as they fail a whole call: a GPU deployment,
     # which joins by default, can be tested for its faults the same way.

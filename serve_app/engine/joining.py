@@ -5,7 +5,9 @@ scheduler, timesteps, generators, text encoding and decode) in a greenlet of its
 seat's pipeline takes for its denoiser is a stand-in: a call to it hands the inputs over and
 switches back to the batch. Once every seat is waiting, the batch runs the real denoiser once
 over the seats' inputs put together (rows at different timesteps included: timesteps become
-per-row) and gives each seat its part of the output. A new seat joins between two steps: its
+per-row) and gives each seat its part of the output. A seat whose scheduler has a per-row
+form (`row_steps`: DDIM, flow matching's Euler) hands its scheduler step over the same way,
+and the batch runs it once over every such seat's rows. A new seat joins between two steps: its
 greenlet runs up to its first denoiser call and is in the next batched call. A seat leaves as
 soon as its own last step and decode are done.
 
@@ -27,6 +29,8 @@ from typing import Any
 import greenlet
 import torch
 
+from serve_app.engine import row_steps
+
 # Arguments that hold no row dimension whatever their first size (FLUX's position ids).
 _UNBATCHED = frozenset({"img_ids", "txt_ids"})
 
@@ -43,6 +47,7 @@ class Seat:
         self._stop = stop
         self._denoiser = denoiser
         self.call: tuple[tuple, dict] | None = None  # the denoiser call it waits on
+        self.scheduler_step: row_steps.RowStep | None = None  # or the scheduler step
         self._answer: tuple[Any, BaseException | None] | None = None
         self.done = False
         # Parked: left out of the steps (its call waits at its denoiser call, its state kept)
@@ -74,6 +79,14 @@ class Seat:
     def denoise(self, args: tuple, kwargs: dict) -> Any:
         """In the seat's greenlet: wait for the batched call and return this seat's part."""
         self.call = (args, kwargs)
+        return self._wait()
+
+    def step_scheduler(self, planned: row_steps.RowStep) -> Any:
+        """In the seat's greenlet: wait for the batched scheduler step; this seat's result."""
+        self.scheduler_step = planned
+        return self._wait()
+
+    def _wait(self) -> Any:
         self._glet.parent.switch()
         answer, error = self._answer or (None, self._stop())
         self._answer = None
@@ -82,7 +95,7 @@ class Seat:
         return answer
 
     def answer(self, value: Any = None, error: BaseException | None = None) -> None:
-        self.call = None
+        self.call = self.scheduler_step = None
         self._answer = (value, error)
 
 
@@ -102,6 +115,19 @@ class StandIn:
         if self.on_call is not None:
             self.on_call()
         return self._seat.denoise(args, kwargs)
+
+    def join_steps(self, scheduler) -> None:
+        """Have `scheduler` (the seat's own) step in the batch, when it has a per-row form
+        (`row_steps`); a call without one steps alone as before."""
+        if not row_steps.joinable(scheduler):
+            return
+        own, seat = scheduler.step, self._seat
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            planned = row_steps.plan(scheduler, args, kwargs)
+            return own(*args, **kwargs) if planned is None else seat.step_scheduler(planned)
+
+        scheduler.step = step
 
 
 class StepBatch:
@@ -142,6 +168,10 @@ class StepBatch:
             self._run(group)
         for seat in waiting:
             seat.resume()
+        while stepping := [s for s in self.seats if s.scheduler_step is not None and not s.parked]:
+            self._run_scheduler_steps(stepping)
+            for seat in stepping:
+                seat.resume()
         ended = [s for s in self.seats if s.done]
         self.seats = [s for s in self.seats if not s.done]
         return ended
@@ -166,11 +196,25 @@ class StepBatch:
         for seat, part in zip(group, parts, strict=True):
             seat.answer(part)
 
+    def _run_scheduler_steps(self, seats: list[Seat]) -> None:
+        groups: dict[tuple, list[Seat]] = {}
+        for seat in seats:
+            groups.setdefault(seat.scheduler_step.key, []).append(seat)
+        for group in groups.values():
+            try:
+                answers = row_steps.run([s.scheduler_step for s in group])
+            except Exception as e:  # every row gets the error inside its own pipeline
+                for seat in group:
+                    seat.answer(error=e)
+                continue
+            for seat, value in zip(group, answers, strict=True):
+                seat.answer(value)
+
     def close(self) -> None:
         """End every row still running (its pipeline gets the stop error) and wait for them."""
         for seat in self.seats:
             while not seat.done:
-                if seat.call is not None:
+                if seat.call is not None or seat.scheduler_step is not None:
                     seat.answer(error=self._stop())
                 seat.resume()
         self.seats = []

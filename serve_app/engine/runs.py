@@ -178,6 +178,7 @@ class Runner:
         pipe = copy.copy(self.task_pipes[params.task])
         pipe.__dict__[self._denoiser_attr] = stand_in
         pipe.__dict__["scheduler"] = copy.deepcopy(self._scheduler(params, rows) or pipe.scheduler)
+        stand_in.join_steps(pipe.scheduler)
         return self.call(rows, params, step_hook, pipe, NoCache(), st)
 
     def _scheduler(self, params: CallParams, rows: Sequence[Row]):

@@ -193,6 +193,7 @@ class Scheduler:
         self._last_arrival = float("-inf")
         self._arrivals = _Arrivals()
         self._wakeup = asyncio.Event()
+        self.on_submit: Callable[[], None] | None = None  # after each submit (a joined run's)
         self._on_retire = on_retire
         # The queue is in priority, then fair (start-tag) order; each priority keeps its own
         # tags, so a job that starts before older ones of a lower priority moves no clock of theirs.
@@ -220,6 +221,8 @@ class Scheduler:
         self._last_arrival = job.enqueued
         self._arrivals.seen[job.tenant] = job.enqueued
         self._wakeup.set()
+        if self.on_submit is not None:
+            self.on_submit()
 
     def queue_length(self) -> int:
         """Queued plus running images: the load figure for routing and autoscaling."""
