@@ -117,3 +117,11 @@ def test_a_joined_run_steps_its_schedulers_once_a_step():
         row_steps.run = row_steps_run
     assert all(torch.equal(seat.output, alone(seed)) for seed, seat in enumerate(seats))
     assert len(calls) == 6 + 2 and max(calls) == 3  # one a step, all seats in it
+
+
+def test_a_timestep_off_the_schedule_is_looked_up_as_its_own_step_would():
+    (s, _, x, eps), = _seats(MAKERS["ddim-epsilon"], [20], [3], [2])  # fmt: skip
+    t = torch.tensor(777)  # not one of the 20 timesteps
+    want = copy.deepcopy(s).step(eps, t, x, return_dict=False)
+    got = row_steps.run([row_steps.plan(s, (eps, t, x), {"return_dict": False})])[0]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
