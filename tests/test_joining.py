@@ -99,6 +99,25 @@ def test_rows_that_join_at_different_steps_make_the_images_they_make_alone(engin
     assert run.batch.largest == 3 * CFG_ROWS[name]
 
 
+@pytest.mark.parametrize(("sampler", "batched"), [("Euler", True), ("Euler a", False), ("DPM++ 2M", False)])
+def test_seats_step_their_schedulers_together_with_a_per_row_form(engines, monkeypatch, sampler, batched):
+    # Euler's step runs once over all seats' rows (`row_steps`); samplers without a per-row form
+    # (noise of each row's own generator, a multistep history) step each seat alone. Either
+    # way a row makes the image it makes alone.
+    from serve_app.engine import row_steps
+
+    calls = []
+    real = row_steps.run
+    monkeypatch.setattr(row_steps, "run", lambda plans: calls.append(len(plans)) or real(plans))
+    e = engines("tiny-sd")
+    p = dataclasses.replace(params(e), sampler=sampler)
+    alone = [e.run([r], p).images[0] for r in ROWS[:2]]
+    _, seats = run_joined(e, p, {0: ROWS[0], 2: ROWS[1]})
+    for seat, image in zip(seats, alone, strict=True):
+        assert seat.error is None and close_to(seat.output.images[0], image)
+    assert calls == ([1, 1] + [2] * (STEPS - 2) + [1, 1] if batched else [])
+
+
 @pytest.mark.parametrize("task", ["img2img", "inpaint"])
 def test_edits_join_too(engines, task):
     e = engines("tiny-sd")

@@ -8,7 +8,12 @@ import copy
 
 import pytest
 import torch
-from diffusers import DDIMScheduler, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
+from diffusers import (
+    DDIMScheduler,
+    DPMSolverMultistepScheduler,
+    EulerDiscreteScheduler,
+    FlowMatchEulerDiscreteScheduler,
+)
 
 from serve_app.engine import row_steps
 from serve_app.engine.joining import StepBatch
@@ -29,7 +34,7 @@ def _seats(make, steps_each, at_each, rows_each, seed=0):
     for steps, at, rows in zip(steps_each, at_each, rows_each, strict=True):
         s = make()
         s.set_timesteps(steps)
-        if isinstance(s, FlowMatchEulerDiscreteScheduler):
+        if isinstance(s, FlowMatchEulerDiscreteScheduler | EulerDiscreteScheduler):
             s._init_step_index(s.timesteps[0])
             s._step_index = at
         x = torch.randn(rows, 4, 8, 8, generator=g)
@@ -42,6 +47,8 @@ MAKERS = {
     "ddim-epsilon": lambda: _ddim(),
     "ddim-v": lambda: _ddim(prediction_type="v_prediction", timestep_spacing="trailing"),
     "ddim-sample-clipped": lambda: _ddim(prediction_type="sample", clip_sample=True),
+    "euler-epsilon": lambda: EulerDiscreteScheduler(beta_schedule="scaled_linear"),
+    "euler-v": lambda: EulerDiscreteScheduler(prediction_type="v_prediction", timestep_spacing="trailing"),
     "flow": _flow,
 }
 
@@ -68,7 +75,9 @@ def test_calls_without_a_per_row_form_step_alone():
     (s, t, x, eps), = _seats(MAKERS["ddim-epsilon"], [20], [3], [1])  # fmt: skip
     assert row_steps.plan(s, (eps, t, x), {"eta": 0.5}) is None  # noise of its own generator
     assert row_steps.plan(s, (eps, t, x, 0.5), {}) is None
-    assert not row_steps.joinable(EulerDiscreteScheduler())
+    assert not row_steps.joinable(DPMSolverMultistepScheduler())
+    euler, et, ex, eeps = _seats(MAKERS["euler-epsilon"], [10], [2], [1])[0]
+    assert row_steps.plan(euler, (eeps, et, ex), {"s_churn": 0.5}) is None
     flow, ft, fx, feps = _seats(_flow, [10], [2], [1])[0]
     assert row_steps.plan(flow, (feps, ft, fx), {"per_token_timesteps": torch.ones(1, 16)}) is None
     assert row_steps.plan(flow, (feps, 3, fx), {}) is None  # an index: its own step refuses it

@@ -19,8 +19,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from diffusers import DDIMScheduler, FlowMatchEulerDiscreteScheduler
+from diffusers import DDIMScheduler, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
 from diffusers.schedulers.scheduling_ddim import DDIMSchedulerOutput
+from diffusers.schedulers.scheduling_euler_discrete import EulerDiscreteSchedulerOutput
 from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteSchedulerOutput
 
 
@@ -164,15 +165,61 @@ def _plan_flow(s: FlowMatchEulerDiscreteScheduler, model_output, timestep, sampl
 def _flow(key, model_output, sample, coefs):
     """Flow matching's Euler step (diffusers' `FlowMatchEulerDiscreteScheduler.step`)."""
     (dt,) = coefs
-    if model_output.dtype == torch.float32:
-        moved = dt * model_output
-    else:  # a 0-dim coefficient does not widen the output: computed wide, rounded to it
-        moved = (dt * model_output.float()).to(model_output.dtype)
-    return ((sample.to(torch.float32) + moved).to(model_output.dtype),)
+    return ((sample.to(torch.float32) + _narrow(dt, model_output)).to(model_output.dtype),)
+
+
+# ---------------------------------------------------------------------- Euler
+
+
+def _plan_euler(s: EulerDiscreteScheduler, model_output, timestep, sample, s_churn=0.0, s_tmin=0.0,
+                s_tmax=float("inf"), s_noise=1.0, generator=None,
+                return_dict=True) -> RowStep | None:  # fmt: skip
+    prediction = s.config.prediction_type
+    if s_churn != 0 or prediction not in ("epsilon", "v_prediction", "sample", "original_sample"):
+        return None  # noise of its own generator (s_churn), or its own step raises the error
+    if isinstance(timestep, int) or (isinstance(timestep, torch.Tensor) and not timestep.is_floating_point()):
+        return None
+    if s.step_index is None:
+        s._init_step_index(timestep)
+    sigma = s.sigmas[s.step_index]
+    sigma_hat = sigma * (0.0 + 1)  # no churn: its gamma is 0
+    dt = s.sigmas[s.step_index + 1] - sigma_hat
+    s._step_index += 1
+    coefs = (float(sigma_hat), float(dt), float(-sigma / (sigma**2 + 1) ** 0.5), float(sigma**2 + 1))
+    form = "sample" if prediction == "original_sample" else prediction
+    key = _layout("euler", s, model_output, sample, form)
+
+    def answer(parts):
+        if return_dict:
+            return EulerDiscreteSchedulerOutput(prev_sample=parts[0], pred_original_sample=parts[1])
+        return parts
+
+    return RowStep(key, coefs, model_output, sample, answer)
+
+
+def _euler(key, model_output, sample, coefs):
+    """Euler's step without churn (diffusers' `EulerDiscreteScheduler.step`)."""
+    sigma_hat, dt, v_out, v_in = coefs
+    sample = sample.to(torch.float32)
+    if key[-1] == "sample":
+        original = model_output
+    elif key[-1] == "epsilon":
+        original = sample - _narrow(sigma_hat, model_output)
+    else:  # v_prediction
+        original = _narrow(v_out, model_output) + (sample / v_in)
+    derivative = (sample - original) / sigma_hat
+    prev_sample = sample + derivative * dt
+    return prev_sample.to(model_output.dtype), original
+
+
+def _narrow(c: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """`c * t` with `t`'s dtype, as a 0-dim coefficient gives it: computed wide, rounded to it."""
+    return c * t if t.dtype == torch.float32 else (c * t.float()).to(t.dtype)
 
 
 _PLANS: dict[type, Callable[..., RowStep | None]] = {
     DDIMScheduler: _plan_ddim,
+    EulerDiscreteScheduler: _plan_euler,
     FlowMatchEulerDiscreteScheduler: _plan_flow,
 }
-_COMPUTE = {"ddim": _ddim, "flow": _flow}
+_COMPUTE = {"ddim": _ddim, "euler": _euler, "flow": _flow}
