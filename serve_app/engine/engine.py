@@ -61,6 +61,7 @@ from serve_app.engine.runs import JoinedRun, Runner, latents_preview, vae_modes
 from serve_app.engine.safety import SafetyChecker
 from serve_app.engine.schedulers import Schedulers
 from serve_app.engine.step_cache import cached_blocks
+from serve_app.engine.text_memo import TextMemo
 from serve_app.engine.types import (
     TASKS,
     CallParams,
@@ -147,6 +148,7 @@ class DiffusionEngine:
         self._in_force = InForce(self.pipe)  # the adapters of whole calls
         self.group: parallel.Group | None = None  # the ranks of a parallel replica (`split_across`)
         self.weights_version: int | None = None  # a trainer's weights pushed in; None: as loaded
+        self.weights_epoch = 0  # moves as adapters come and go (`_layers_changed`)
         cache_blocks = cached_blocks(denoiser)
         self.accelerations = offered_accelerations(denoiser, cache_blocks, cfg.optimizations)
         self._checks = CallChecks(self.pipe, self._task_pipes, self.family, self.device, self.accelerations)
@@ -274,12 +276,12 @@ class DiffusionEngine:
         self._layers_changed(name)
 
     def _layers_changed(self, adapter: str) -> None:
-        """After an adapter came or went, the fast path compiles its warmed shapes again (the
-        denoiser's LoRA layers are in its graphs); swapping among loaded adapters does not."""
+        """After an adapter came or went, the fast path compiles its warmed shapes again (its LoRA
+        layers are in the graphs) and text encodings kept for joined seats (`text_memo`) go."""
+        self.weights_epoch += 1
         if self.fast is not None:
             self.fast.forget_adapter(adapter)
-            # Warmed again at the next call's start (`warm_again`), never inside a paused call.
-            self.fast.stale = bool(self.fast.warmed_shapes)
+            self.fast.stale = bool(self.fast.warmed_shapes)  # warmed again at a call's start
 
     def _apply_lora(self, loras: tuple[tuple[str, float], ...]) -> None:
         """Make exactly these adapters active at their scales (none, or every scale 0: the base
@@ -406,11 +408,10 @@ class DiffusionEngine:
             restore = self.fast.eager_until(restore)
         self._runner.memory.start()
         denoiser = find_denoiser(self._task_pipes[params.task])
+        self._runner.text_memo = TextMemo(lambda: self.weights_epoch)  # the run's seats' encodings
         return JoinedRun(params, adapters, denoiser, self._row_call, self._apply_lora, restore)
 
-    def _row_call(
-        self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None, stand_in
-    ) -> EngineOutput:
+    def _row_call(self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None, stand_in):
         """One seat's own pipeline call in a joined run, with `stand_in` as its denoiser."""
         return self._runner.row_call(rows, params, step_hook, stand_in)
 

@@ -1,0 +1,102 @@
+"""Text encoders' outputs kept for the seats of one joined run, by their exact inputs.
+
+Every seat that joins a run encodes its prompts with its own pipeline call, and with
+classifier-free guidance most of them also encode the same empty negative prompt: on a CPU host
+a third of what setting a seat up costs, paid between two steps while the device waits. So the
+seats' pipelines see their text encoders through `Memoized`: a call with exactly the inputs of
+an earlier one (the same token ids, masks and options) gets that call's output again instead of
+running the encoder.
+
+An output is only reused while the encoders' weights are those it was made with: a joined run
+keeps one set of adapters in force for all its seats, and the engine's `epoch` moves whenever it
+loads or removes an adapter or takes new weights, which empties the memo. Calls with grad
+enabled, or with an input that is neither a tensor nor a plain value, always run.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+class TextMemo:
+    """The outputs of one joined run's text encoder calls, the `size` latest (the empty negative
+    prompt, asked for by every seat, stays in)."""
+
+    def __init__(self, epoch: Callable[[], int], size: int = 8):
+        self._epoch = epoch
+        self._at = epoch()
+        self._size = size
+        self._outputs: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+        self.hits = 0
+
+    def wrap_encoders(self, pipe) -> None:
+        """Have `pipe` (a seat's shallow copy of a pipeline) see its text encoders through this."""
+        for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+            if isinstance(encoder := getattr(pipe, name, None), torch.nn.Module):
+                pipe.__dict__[name] = Memoized(encoder, name, self)
+
+    def output(self, key: tuple, run: Callable[[], Any]) -> Any:
+        if self._epoch() != self._at:  # weights or adapters changed: nothing kept holds
+            self._outputs.clear()
+            self._at = self._epoch()
+        if key in self._outputs:
+            self._outputs.move_to_end(key)
+            self.hits += 1
+            return _fresh(self._outputs[key])
+        out = run()
+        self._outputs[key] = _fresh(out)  # copies both ways: a pipeline may write into its own
+        if len(self._outputs) > self._size:
+            self._outputs.popitem(last=False)
+        return out
+
+
+class Memoized:
+    """What a seat's pipeline sees as a text encoder: the module's attributes, and a call that
+    returns a kept output for inputs seen before."""
+
+    def __init__(self, module: torch.nn.Module, name: str, memo: TextMemo):
+        self._module = module
+        self._name = name
+        self._memo = memo
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        key = None if torch.is_grad_enabled() else _key(self._name, args, kwargs)
+        if key is None:
+            return self._module(*args, **kwargs)
+        return self._memo.output(key, lambda: self._module(*args, **kwargs))
+
+
+def _fresh(out: Any) -> Any:
+    """`out` with copies of its tensors (a text encoder's output: a tensor, a tuple or a
+    transformers `ModelOutput`)."""
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, dict):  # ModelOutput is a dict of its fields that are not None
+        return type(out)(**{k: _fresh(v) for k, v in out.items()})
+    if isinstance(out, tuple | list):
+        return type(out)(_fresh(v) for v in out)
+    return out
+
+
+def _key(name: str, args: tuple, kwargs: dict) -> tuple | None:
+    parts: list[Any] = [name]
+    for k, v in [*enumerate(args), *sorted(kwargs.items())]:
+        if isinstance(v, torch.Tensor):
+            data = v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            digest = hashlib.blake2b(data, digest_size=16).digest()
+            parts.append((k, tuple(v.shape), v.dtype, v.device, digest))
+        elif isinstance(v, _PLAIN):
+            parts.append((k, v))
+        else:
+            return None
+    return tuple(parts)
