@@ -15,14 +15,11 @@ here (other schedulers, a DDIM call with eta > 0, per-token timesteps) steps alo
 from __future__ import annotations
 
 import dataclasses
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from diffusers import DDIMScheduler, EulerDiscreteScheduler, FlowMatchEulerDiscreteScheduler
-from diffusers.schedulers.scheduling_ddim import DDIMSchedulerOutput
-from diffusers.schedulers.scheduling_euler_discrete import EulerDiscreteSchedulerOutput
-from diffusers.schedulers.scheduling_flow_match_euler_discrete import FlowMatchEulerDiscreteSchedulerOutput
 
 
 @dataclasses.dataclass
@@ -39,9 +36,11 @@ class RowStep:
 
 
 def joinable(scheduler) -> bool:
-    """Whether `scheduler` has a per-row form here (the exact class: a subclass may step
-    otherwise)."""
-    return type(scheduler) in _PLANS
+    """Whether `scheduler` has a per-row form here (diffusers' exact class: a subclass may step
+    otherwise). Classes are known by name: diffusers is not imported until a pipeline loads it
+    (the app's build imports this module without it)."""
+    kind = type(scheduler)
+    return kind.__name__ in _PLANS and kind.__module__.startswith("diffusers.schedulers.")
 
 
 def plan(scheduler, args: tuple, kwargs: dict) -> RowStep | None:
@@ -51,7 +50,7 @@ def plan(scheduler, args: tuple, kwargs: dict) -> RowStep | None:
         return None
     if args[0].shape != args[2].shape:
         return None
-    return _PLANS[type(scheduler)](scheduler, *args, **kwargs)
+    return _PLANS[type(scheduler).__name__](scheduler, *args, **kwargs)
 
 
 def run(steps: list[RowStep]) -> list[Any]:
@@ -79,7 +78,7 @@ def _layout(name: str, scheduler, model_output: torch.Tensor, sample: torch.Tens
 # ---------------------------------------------------------------------- DDIM
 
 
-def _plan_ddim(s: DDIMScheduler, model_output, timestep, sample, eta=0.0, use_clipped_model_output=False,
+def _plan_ddim(s, model_output, timestep, sample, eta=0.0, use_clipped_model_output=False,
                generator=None, variance_noise=None, return_dict=True) -> RowStep | None:  # fmt: skip
     cfg = s.config
     if eta != 0 or use_clipped_model_output or variance_noise is not None or cfg.thresholding:
@@ -96,13 +95,13 @@ def _plan_ddim(s: DDIMScheduler, model_output, timestep, sample, eta=0.0, use_cl
 
     def answer(parts):
         if return_dict:
-            return DDIMSchedulerOutput(prev_sample=parts[0], pred_original_sample=parts[1])
+            return _output(s)(prev_sample=parts[0], pred_original_sample=parts[1])
         return parts
 
     return RowStep(key, alphas, model_output, sample, answer)
 
 
-def _ddim_alphas(s: DDIMScheduler) -> dict[int, tuple[float, float]]:
+def _ddim_alphas(s) -> dict[int, tuple[float, float]]:
     """Each timestep of the scheduler's schedule: its alpha and the previous one's, looked up
     once a schedule (a step looks them up each time: 0.05 ms a seat-step on a CPU host)."""
     table = s.__dict__.get("_joined_alphas")
@@ -142,7 +141,7 @@ def _ddim(key, model_output, sample, coefs):
 # ---------------------------------------------------------------------- flow matching Euler
 
 
-def _plan_flow(s: FlowMatchEulerDiscreteScheduler, model_output, timestep, sample, s_churn=0.0, s_tmin=0.0,
+def _plan_flow(s, model_output, timestep, sample, s_churn=0.0, s_tmin=0.0,
                s_tmax=float("inf"), s_noise=1.0, generator=None, per_token_timesteps=None,
                return_dict=True) -> RowStep | None:  # fmt: skip
     if per_token_timesteps is not None or s.config.stochastic_sampling:
@@ -157,7 +156,7 @@ def _plan_flow(s: FlowMatchEulerDiscreteScheduler, model_output, timestep, sampl
     key = _layout("flow", s, model_output, sample)
 
     def answer(parts):
-        return FlowMatchEulerDiscreteSchedulerOutput(prev_sample=parts[0]) if return_dict else parts
+        return _output(s)(prev_sample=parts[0]) if return_dict else parts
 
     return RowStep(key, (dt,), model_output, sample, answer)
 
@@ -171,7 +170,7 @@ def _flow(key, model_output, sample, coefs):
 # ---------------------------------------------------------------------- Euler
 
 
-def _plan_euler(s: EulerDiscreteScheduler, model_output, timestep, sample, s_churn=0.0, s_tmin=0.0,
+def _plan_euler(s, model_output, timestep, sample, s_churn=0.0, s_tmin=0.0,
                 s_tmax=float("inf"), s_noise=1.0, generator=None,
                 return_dict=True) -> RowStep | None:  # fmt: skip
     prediction = s.config.prediction_type
@@ -191,7 +190,7 @@ def _plan_euler(s: EulerDiscreteScheduler, model_output, timestep, sample, s_chu
 
     def answer(parts):
         if return_dict:
-            return EulerDiscreteSchedulerOutput(prev_sample=parts[0], pred_original_sample=parts[1])
+            return _output(s)(prev_sample=parts[0], pred_original_sample=parts[1])
         return parts
 
     return RowStep(key, coefs, model_output, sample, answer)
@@ -217,9 +216,15 @@ def _narrow(c: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
     return c * t if t.dtype == torch.float32 else (c * t.float()).to(t.dtype)
 
 
-_PLANS: dict[type, Callable[..., RowStep | None]] = {
-    DDIMScheduler: _plan_ddim,
-    EulerDiscreteScheduler: _plan_euler,
-    FlowMatchEulerDiscreteScheduler: _plan_flow,
+def _output(scheduler) -> type:
+    """The output class of `scheduler`'s step (`DDIMSchedulerOutput`, ...), from its module."""
+    module = sys.modules[type(scheduler).__module__]
+    return getattr(module, type(scheduler).__name__ + "Output")
+
+
+_PLANS: dict[str, Callable[..., RowStep | None]] = {
+    "DDIMScheduler": _plan_ddim,
+    "EulerDiscreteScheduler": _plan_euler,
+    "FlowMatchEulerDiscreteScheduler": _plan_flow,
 }
 _COMPUTE = {"ddim": _ddim, "euler": _euler, "flow": _flow}
