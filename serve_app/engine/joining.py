@@ -6,7 +6,7 @@ seat's pipeline takes for its denoiser is a stand-in: a call to it hands the inp
 switches back to the batch. Once every seat is waiting, the batch runs the real denoiser once
 over the seats' inputs put together (rows at different timesteps included: timesteps become
 per-row) and gives each seat its part of the output. A seat whose scheduler has a per-row
-form (`row_steps`: DDIM, flow matching's Euler) hands its scheduler step over the same way,
+form (`row_steps`: DDIM, Euler, flow matching's Euler) hands its scheduler step over the same way,
 and the batch runs it once over every such seat's rows. A new seat joins between two steps: its
 greenlet runs up to its first denoiser call and is in the next batched call. A seat leaves as
 soon as its own last step and decode are done.
