@@ -71,8 +71,15 @@ def run(steps: list[RowStep]) -> list[Any]:
     return [s.answer(tuple(p[i] for p in parts)) for i, s in enumerate(steps)]
 
 
-def _layout(name: str, scheduler, model_output: torch.Tensor, sample: torch.Tensor, *more) -> tuple:
+def _layout(name: str, model_output: torch.Tensor, sample: torch.Tensor, *more) -> tuple:
     return (name, model_output.dtype, sample.dtype, tuple(sample.shape[1:]), sample.device, *more)
+
+
+def _an_index(timestep) -> bool:
+    """Whether `timestep` is an index, which the sigma schedulers' own steps refuse."""
+    if isinstance(timestep, torch.Tensor):
+        return not timestep.is_floating_point()
+    return isinstance(timestep, int)
 
 
 # ---------------------------------------------------------------------- DDIM
@@ -91,7 +98,7 @@ def _plan_ddim(s, model_output, timestep, sample, eta=0.0, use_clipped_model_out
         alpha_prev = s.alphas_cumprod[prev] if prev >= 0 else s.final_alpha_cumprod
         alphas = (float(s.alphas_cumprod[timestep]), float(alpha_prev))
     clip = cfg.clip_sample_range if cfg.clip_sample else None
-    key = _layout("ddim", s, model_output, sample, cfg.prediction_type, clip)
+    key = _layout("ddim", model_output, sample, cfg.prediction_type, clip)
 
     def answer(parts):
         if return_dict:
@@ -146,14 +153,14 @@ def _plan_flow(s, model_output, timestep, sample, s_churn=0.0, s_tmin=0.0,
                return_dict=True) -> RowStep | None:  # fmt: skip
     if per_token_timesteps is not None or s.config.stochastic_sampling:
         return None
-    if isinstance(timestep, int) or (isinstance(timestep, torch.Tensor) and not timestep.is_floating_point()):
+    if _an_index(timestep):
         return None  # its own step raises the error
     if s.step_index is None:
         s._init_step_index(timestep)
     i = s.step_index
     dt = float(s.sigmas[i + 1] - s.sigmas[i])
     s._step_index += 1
-    key = _layout("flow", s, model_output, sample)
+    key = _layout("flow", model_output, sample)
 
     def answer(parts):
         return _output(s)(prev_sample=parts[0]) if return_dict else parts
@@ -176,7 +183,7 @@ def _plan_euler(s, model_output, timestep, sample, s_churn=0.0, s_tmin=0.0,
     prediction = s.config.prediction_type
     if s_churn != 0 or prediction not in ("epsilon", "v_prediction", "sample", "original_sample"):
         return None  # noise of its own generator (s_churn), or its own step raises the error
-    if isinstance(timestep, int) or (isinstance(timestep, torch.Tensor) and not timestep.is_floating_point()):
+    if _an_index(timestep):
         return None
     if s.step_index is None:
         s._init_step_index(timestep)
@@ -186,7 +193,7 @@ def _plan_euler(s, model_output, timestep, sample, s_churn=0.0, s_tmin=0.0,
     s._step_index += 1
     coefs = (float(sigma_hat), float(dt), float(-sigma / (sigma**2 + 1) ** 0.5), float(sigma**2 + 1))
     form = "sample" if prediction == "original_sample" else prediction
-    key = _layout("euler", s, model_output, sample, form)
+    key = _layout("euler", model_output, sample, form)
 
     def answer(parts):
         if return_dict:

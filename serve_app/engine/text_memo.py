@@ -9,7 +9,8 @@ running the encoder.
 
 An output is only reused while the encoders' weights are those it was made with: a joined run
 keeps one set of adapters in force for all its seats, and the engine's `epoch` moves whenever it
-loads or removes an adapter or takes new weights, which empties the memo. Calls with grad
+loads or removes an adapter, which empties the memo (new weights a trainer pushes go to the
+denoiser only). Calls with grad
 enabled, or with an input that is neither a tensor nor a plain value, always run.
 """
 
@@ -34,7 +35,6 @@ class TextMemo:
         self._at = epoch()
         self._size = size
         self._outputs: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
-        self.hits = 0
 
     def wrap_encoders(self, pipe) -> None:
         """Have `pipe` (a seat's shallow copy of a pipeline) see its text encoders through this."""
@@ -48,7 +48,6 @@ class TextMemo:
             self._at = self._epoch()
         if key in self._outputs:
             self._outputs.move_to_end(key)
-            self.hits += 1
             return _fresh(self._outputs[key])
         out = run()
         self._outputs[key] = _fresh(out)  # copies both ways: a pipeline may write into its own
