@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import threading
 import time
 
 import httpx
@@ -178,6 +179,32 @@ def test_a_request_arriving_during_a_step_joins_at_the_next_one():
         r.engine.set_gpu_shape(300, 0)
         k, rows = loop.run_until_complete(go(r))
     assert rows[:k] == [2] * k and rows[k] == 4, (k, rows)  # in the call right after
+
+
+def test_a_joiner_handed_over_mid_step_is_encoded_while_the_device_works():
+    # Its prompt is encoded on the foresight thread during the step in flight (the engine
+    # thread asleep in its denoiser call), not on the engine thread between two steps, and it
+    # still joins at the next step.
+    where: list[str] = []
+
+    async def go(r) -> tuple[int, list[int]]:
+        hook = lambda *a: where.append(threading.current_thread().name)  # noqa: E731
+        r.engine.pipe.text_encoder.register_forward_pre_hook(hook)
+        a = asyncio.ensure_future(r.generate(prepared("a", 4)))
+        while len(r.engine.denoiser_rows) < 2:
+            await asyncio.sleep(0.002)
+        k = len(r.engine.denoiser_rows)
+        await r.generate(prepared("b", 2, "a dog"))
+        await a
+        return k, list(r.engine.denoiser_rows)
+
+    with direct_replica("GpuShaped") as (r, loop):
+        r.engine.set_gpu_shape(300, 0)
+        k, rows = loop.run_until_complete(go(r))
+        seen = r.engine_loop.foresight.seen
+    assert rows[:k] == [2] * k and rows[k] == 4, (k, rows)  # in the call right after
+    # a's prompt and the empty negative prompt on the engine thread; b's ahead, and only there
+    assert seen == 1 and [w.split("_")[0] for w in where] == ["engine", "engine", "foresee"], where
 
 
 def test_injected_faults_reach_joined_calls_too():

@@ -38,6 +38,7 @@ from serve_app.engine.checks import MAX_EMBED_TOKENS, RESERVED_EXTRA_KEYS, CallC
 from serve_app.engine.description import describe_engine
 from serve_app.engine.families import Family, describe_pipeline
 from serve_app.engine.fast import FastPath
+from serve_app.engine.joined import JoinedRun
 from serve_app.engine.loading import (
     apply_optimizations,
     copy_weights,
@@ -57,7 +58,7 @@ from serve_app.engine.loading import (
 )
 from serve_app.engine.media import encode_image
 from serve_app.engine.rollout import check_rollout
-from serve_app.engine.runs import JoinedRun, Runner, latents_preview, vae_modes
+from serve_app.engine.runs import Runner, latents_preview, vae_modes
 from serve_app.engine.safety import SafetyChecker
 from serve_app.engine.schedulers import Schedulers
 from serve_app.engine.step_cache import cached_blocks

@@ -23,6 +23,7 @@ denoiser whose output for a row depends only on that row's inputs can be joined 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -129,6 +130,10 @@ class StandIn:
 
         scheduler.step = step
 
+    def fit(self, pipe) -> None:
+        """Fit `pipe` (the seat's own shallow copy of the pipeline) to the batch."""
+        self.join_steps(pipe.scheduler)
+
 
 class StepBatch:
     """The rows of one joined run. Driven from one thread (the seats' greenlets belong to it):
@@ -141,6 +146,7 @@ class StepBatch:
         self.seats: list[Seat] = []
         self.denoiser_calls = 0  # batched calls run
         self.largest = 0  # the most rows in one batched call
+        self.calling = threading.Event()  # set while a batched denoiser call runs
 
     @property
     def active(self) -> int:
@@ -180,6 +186,7 @@ class StepBatch:
         calls = [s.call for s in group]
         sizes = [_rows(*c) for c in calls]
         try:
+            self.calling.set()
             with torch.no_grad():
                 if len(group) == 1:  # alone: exactly the call the pipeline made
                     parts = [self.denoiser(*calls[0][0], **calls[0][1])]
@@ -191,6 +198,8 @@ class StepBatch:
             for seat in group:
                 seat.answer(error=e)
             return
+        finally:
+            self.calling.clear()
         self.denoiser_calls += 1
         self.largest = max(self.largest, sum(sizes))
         for seat, part in zip(group, parts, strict=True):

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from serve_app.engine.types import CallParams, EngineOutput, Row, StepHook
 
 if TYPE_CHECKING:
-    from serve_app.engine.runs import JoinedRun
+    from serve_app.engine.joined import JoinedRun
 
 
 class Engine(Protocol):

@@ -1,5 +1,5 @@
-"""Running pipeline calls: a whole call over a batch of rows, and joined runs, where each row is
-its own call and the rows share the denoiser at every step (`joining`).
+"""Running pipeline calls: a whole call over a batch of rows, and a seat's own call in a joined
+run, where the seats share the denoiser at every step (`joined`, `joining`).
 
 Every row gets its own `torch.Generator`, so an image depends only on its prompt, the
 parameters and its seed. A call's timings say where its time went: text encoding (up to the
@@ -20,7 +20,6 @@ import torch
 
 from serve_app.engine import row_steps
 from serve_app.engine.families import Family, image_latents
-from serve_app.engine.joining import Seat, StepBatch
 from serve_app.engine.loading import denoiser_name, find_denoiser
 from serve_app.engine.media import encode_image
 from serve_app.engine.memory import PeakMemory
@@ -408,74 +407,10 @@ def _seat_pipe(task_pipe, denoiser_attr: str, stand_in, scheduler, memo: TextMem
     # a shallow copy is their own (a deep copy cost 0.85 ms a seat on tiny-sd).
     own = copy.copy if row_steps.joinable(scheduler) else copy.deepcopy
     pipe.__dict__["scheduler"] = own(scheduler)
-    stand_in.join_steps(pipe.scheduler)
+    stand_in.fit(pipe)
     if memo is not None:
         memo.wrap_encoders(pipe)
     return pipe
-
-
-class JoinedRun:
-    """Calls that share one `CallParams` run joined (`joining.StepBatch`): a row is added
-    between two steps and is its own pipeline call, with its own step hook; `step` runs one
-    denoising step of every row and returns the rows that ended. On the engine thread only.
-
-    `row_call(row, params, step_hook, stand_in)` runs a row's call with `stand_in` as its
-    denoiser (the engine's `_row_call`), `apply_adapters(adapters)` puts the run's adapters in
-    force, and `restore` undoes the run's set-up when it closes."""
-
-    def __init__(
-        self,
-        params: CallParams,
-        adapters: tuple,
-        denoiser: torch.nn.Module,
-        row_call: Callable[..., EngineOutput],
-        apply_adapters: Callable[[tuple], None],
-        restore: Callable[[], None],
-    ):
-        self.params = params
-        self.adapters = adapters
-        self._row_call = row_call
-        self._apply_adapters = apply_adapters
-        self._restore = restore
-        self.batch = StepBatch(denoiser, _StopCall)
-
-    @property
-    def active(self) -> int:
-        return self.batch.active
-
-    @property
-    def stepping(self) -> int:
-        """Rows a step runs: the active ones less those of parked seats."""
-        return self.batch.stepping
-
-    def park(self, seats) -> None:
-        """Leave exactly `seats` out of the next steps (their calls wait where they stand)."""
-        for seat in self.batch.seats:
-            seat.parked = seat in seats
-
-    def add(
-        self, rows: Row | Sequence[Row], step_hook: StepHook | None = None, params: CallParams | None = None
-    ) -> Seat:
-        """Start `rows` (one row, or rows that join together) as one pipeline call; its `Seat`
-        holds its `EngineOutput` (or error) once it has ended. Its own `params` may differ from
-        the run's in what one call decides alone (steps, guidance, strength, sampler, the
-        outputs asked for); the rest must be the run's. Rows that join at one step in one seat
-        cost one call's host work a step instead of one per row."""
-        params = params or self.params
-        rows = [rows] if isinstance(rows, Row) else list(rows)
-        self._apply_adapters(self.adapters)
-        return self.batch.add(lambda stand_in: self._row_call(rows, params, step_hook, stand_in), len(rows))
-
-    def step(self) -> list[Seat]:
-        self._apply_adapters(self.adapters)  # in case something between steps changed them
-        return self.batch.step()
-
-    def close(self) -> None:
-        """Stop the rows still running (they end interrupted) and undo the run's set-up."""
-        try:
-            self.batch.close()
-        finally:
-            self._restore()
 
 
 def _with_masks(kwargs: dict[str, Any], accepts: frozenset[str]) -> dict[str, Any]:

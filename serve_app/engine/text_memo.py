@@ -5,62 +5,75 @@ classifier-free guidance most of them also encode the same empty negative prompt
 a third of what setting a seat up costs, paid between two steps while the device waits. So the
 seats' pipelines see their text encoders through `Memoized`: a call with exactly the inputs of
 an earlier one (the same token ids, masks and options) gets that call's output again instead of
-running the encoder.
+running the encoder. The pipeline's own `encode_prompt` (tokenizing, the textual-inversion
+check and every encoder) is seen the same way, by its arguments (the prompt strings, the
+device, the options), so that a seat whose prompts were encoded ahead (`joined.foresee`, on
+another thread while the device works) skips all of it.
 
 An output is only reused while the encoders' weights are those it was made with: a joined run
 keeps one set of adapters in force for all its seats, and the engine's `epoch` moves whenever it
 loads or removes an adapter, which empties the memo (new weights a trainer pushes go to the
-denoiser only). Calls with grad
-enabled, or with an input that is neither a tensor nor a plain value, always run.
+denoiser only); an output whose call began before the epoch moved is not kept. Calls with grad
+enabled, or with an input that is neither a tensor nor a plain value, always run. The memo may
+be used from two threads at once (the engine's and the one encoding ahead).
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-_PLAIN = (bool, int, float, str, type(None))
+_PLAIN = (bool, int, float, str, type(None), torch.device, torch.dtype)
 
 
 class TextMemo:
-    """The outputs of one joined run's text encoder calls, the `size` latest (the empty negative
-    prompt, asked for by every seat, stays in)."""
+    """The outputs of one joined run's text encoder (and `encode_prompt`) calls, the `size`
+    latest (the empty negative prompt, asked for by every seat, stays in)."""
 
-    def __init__(self, epoch: Callable[[], int], size: int = 8):
+    def __init__(self, epoch: Callable[[], int], size: int = 32):
         self._epoch = epoch
         self._at = epoch()
         self._size = size
         self._outputs: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
+        self._lock = threading.Lock()
 
     def wrap_encoders(self, pipe) -> None:
-        """Have `pipe` (a seat's shallow copy of a pipeline) see its text encoders through this."""
+        """Have `pipe` (a seat's shallow copy of a pipeline) see its text encoders and its
+        `encode_prompt` through this."""
         for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
             if isinstance(encoder := getattr(pipe, name, None), torch.nn.Module):
                 pipe.__dict__[name] = Memoized(encoder, name, self)
+        if callable(encode := getattr(pipe, "encode_prompt", None)):  # bound to `pipe`
+            pipe.__dict__["encode_prompt"] = Memoized(encode, "encode_prompt", self)
 
     def output(self, key: tuple, run: Callable[[], Any]) -> Any:
-        if self._epoch() != self._at:  # weights or adapters changed: nothing kept holds
-            self._outputs.clear()
-            self._at = self._epoch()
-        if key in self._outputs:
-            self._outputs.move_to_end(key)
-            return _fresh(self._outputs[key])
+        with self._lock:
+            at = self._epoch()
+            if at != self._at:  # weights or adapters changed: nothing kept holds
+                self._outputs.clear()
+                self._at = at
+            if key in self._outputs:
+                self._outputs.move_to_end(key)
+                return _fresh(self._outputs[key])
         out = run()
-        self._outputs[key] = _fresh(out)  # copies both ways: a pipeline may write into its own
-        if len(self._outputs) > self._size:
-            self._outputs.popitem(last=False)
+        with self._lock:
+            if self._epoch() == at == self._at:  # made with the weights in force now
+                self._outputs[key] = _fresh(out)  # copies both ways: a pipeline may write into its own
+                if len(self._outputs) > self._size:
+                    self._outputs.popitem(last=False)
         return out
 
 
 class Memoized:
-    """What a seat's pipeline sees as a text encoder: the module's attributes, and a call that
-    returns a kept output for inputs seen before."""
+    """What a seat's pipeline sees as a text encoder (or its `encode_prompt`): the module's
+    attributes, and a call that returns a kept output for inputs seen before."""
 
-    def __init__(self, module: torch.nn.Module, name: str, memo: TextMemo):
+    def __init__(self, module: Callable[..., Any], name: str, memo: TextMemo):
         self._module = module
         self._name = name
         self._memo = memo
@@ -88,14 +101,22 @@ def _fresh(out: Any) -> Any:
 
 
 def _key(name: str, args: tuple, kwargs: dict) -> tuple | None:
-    parts: list[Any] = [name]
-    for k, v in [*enumerate(args), *sorted(kwargs.items())]:
-        if isinstance(v, torch.Tensor):
-            data = v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-            digest = hashlib.blake2b(data, digest_size=16).digest()
-            parts.append((k, tuple(v.shape), v.dtype, v.device, digest))
-        elif isinstance(v, _PLAIN):
-            parts.append((k, v))
-        else:
-            return None
-    return tuple(parts)
+    """What identifies a call: its name and arguments (tensors by their bytes); None when an
+    argument is neither a tensor, a plain value nor a list of them."""
+    parts = _part([*enumerate(args), *sorted(kwargs.items())])
+    return None if parts is _UNKNOWN else (name, parts)
+
+
+_UNKNOWN = object()  # a value `_part` cannot tell apart from others
+
+
+def _part(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        data = v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+        return ("tensor", tuple(v.shape), v.dtype, v.device, hashlib.blake2b(data, digest_size=16).digest())
+    if isinstance(v, _PLAIN):
+        return v
+    if isinstance(v, list | tuple):
+        parts = tuple(_part(x) for x in v)
+        return _UNKNOWN if any(p is _UNKNOWN for p in parts) else (type(v).__name__, parts)
+    return _UNKNOWN

@@ -35,6 +35,20 @@ def work(job: Job) -> Work:
     return job.payload
 
 
+def cohorts(jobs: list[Job]) -> list[list[Job]]:
+    """`jobs` that join a running call at one step, in groups that share a seat (one pipeline
+    call): equal `Job.key`s, in the order handed over. Keys are compared, not hashed (`extra`
+    may hold lists)."""
+    groups: list[list[Job]] = []
+    for job in jobs:
+        same = next((g for g in groups if g[0].key == job.key), None)
+        if same is not None:
+            same.append(job)
+        else:
+            groups.append([job])
+    return groups
+
+
 def new_job(engine: Engine, request: PreparedRequest, future: asyncio.Future, preview_every: int = 0) -> Job:
     """The job for `request`, once the engine takes its arguments (else `InvalidRequest`)."""
     extra = checked_extra(engine, request)

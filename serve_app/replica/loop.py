@@ -25,8 +25,9 @@ from serve_app.config import BatchingConfig
 from serve_app.engine import CallParams, Engine, EngineOutput, Row
 from serve_app.errors import EngineFailure, ReplicaLost, ServingError
 from serve_app.replica.adapters import AdapterResidency
+from serve_app.replica.foresight import Foresight
 from serve_app.replica.health import Health
-from serve_app.replica.intake import work
+from serve_app.replica.intake import cohorts, work
 from serve_app.replica.preemption import Pause, between_steps
 from serve_app.replica.results import step_hook
 from serve_app.replica.scheduler import Job, Scheduler
@@ -69,6 +70,8 @@ class _Joined:
     # The images of each step run since the event loop last looked: it records them (Ray's
     # metrics cost 0.1-0.5 ms a call, time the engine thread owes the device).
     step_images: list[int] = dataclasses.field(default_factory=list)
+    run: Any = None  # the engine's `JoinedRun`, once open
+    foreseen: set = dataclasses.field(default_factory=set)  # cohorts run ahead (`foresight`)
 
     def settle(self, scheduler: Scheduler, health: Health) -> None:
         """Answer each request of a joined call whose rows have all ended. One failed denoiser
@@ -106,7 +109,8 @@ class _Joined:
 
 
 class EngineLoop:
-    """Runs the scheduler's batches on the engine thread, the only thread that runs torch.
+    """Runs the scheduler's batches on the engine thread, the thread that runs torch (but for
+    encoding joiners' prompts ahead, `foresight`, while it waits on the device).
 
     `leave` is called after a fatal device error, once every queued request has been handed
     back: it ends the replica (Serve starts another).
@@ -124,6 +128,7 @@ class EngineLoop:
         self.engine, self.scheduler, self.adapters, self.health = engine, scheduler, adapters, health
         self._engine_thread = engine_thread
         self._leave = leave
+        self.foresight = Foresight()
 
     @property
     def batching(self) -> BatchingConfig:
@@ -298,7 +303,7 @@ class EngineLoop:
         failure: Exception | None = None
         run = None
         try:
-            run = await on_engine(self._open_joined, batch, params, adapters)
+            run = joined.run = await on_engine(self._open_joined, batch, params, adapters)
             joined.inbox = list(batch)
             for job in batch:
                 joined.admitted[job.tenant] += len(job.rows)
@@ -364,7 +369,10 @@ class EngineLoop:
             parked = set(joined.parked)
             room = between_steps(self, joined, lambda j: j.join_key == key and fits(j))
             if room > 0:
-                joined.inbox += self.scheduler.take_joiners(key, room, fits, joined.admitted)
+                taken = self.scheduler.take_joiners(key, room, fits, joined.admitted)
+                joined.inbox += taken
+                if taken and joined.run is not None:
+                    self.foresight.ahead(joined)
             if joined.inbox or set(joined.parked) != parked:  # news for the engine thread
                 joined.news.set()
 
@@ -379,14 +387,7 @@ class EngineLoop:
         are held again first: an admin call between two steps may have evicted or switched
         them (the run puts its own set back in force at every step)."""
         self._hold_adapters(joined.batch)
-        cohorts: list[list[Job]] = []
-        for job in joining:  # keys are compared, not hashed (`extra` may hold lists)
-            same = next((c for c in cohorts if c[0].key == job.key), None)
-            if same is not None:
-                same.append(job)
-            else:
-                cohorts.append([job])
-        for jobs in cohorts:
+        for jobs in cohorts(joining):
             seat = run.add([r for j in jobs for r in j.rows], step_hook(jobs, loop), work(jobs[0]).params)
             start = 0
             for job in jobs:
