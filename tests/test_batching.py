@@ -181,10 +181,11 @@ def test_a_request_arriving_during_a_step_joins_at_the_next_one():
     assert rows[:k] == [2] * k and rows[k] == 4, (k, rows)  # in the call right after
 
 
-def test_a_joiner_handed_over_mid_step_is_encoded_while_the_device_works():
+@pytest.mark.parametrize("ahead", [True, False])
+def test_a_joiner_handed_over_mid_step_is_encoded_while_the_device_works(ahead):
     # Its prompt is encoded on the foresight thread during the step in flight (the engine
     # thread asleep in its denoiser call), not on the engine thread between two steps, and it
-    # still joins at the next step.
+    # still joins at the next step; with `encode_ahead: false`, on the engine thread.
     where: list[str] = []
 
     async def go(r) -> tuple[int, list[int]]:
@@ -199,12 +200,16 @@ def test_a_joiner_handed_over_mid_step_is_encoded_while_the_device_works():
         return k, list(r.engine.denoiser_rows)
 
     with direct_replica("GpuShaped") as (r, loop):
+        r.scheduler.batching = r.scheduler.batching.model_copy(update={"encode_ahead": ahead})
         r.engine.set_gpu_shape(300, 0)
         k, rows = loop.run_until_complete(go(r))
         seen = r.engine_loop.foresight.seen
     assert rows[:k] == [2] * k and rows[k] == 4, (k, rows)  # in the call right after
     # a's prompt and the empty negative prompt on the engine thread; b's ahead, and only there
-    assert seen == 1 and [w.split("_")[0] for w in where] == ["engine", "engine", "foresee"], where
+    # (ahead, the empty negative prompt is encoded again: encoder calls are not looked up there)
+    threads = [w.split("_")[0] for w in where]
+    assert threads == (["engine", "engine", "foresee", "foresee"] if ahead else ["engine"] * 3), where
+    assert seen == ahead
 
 
 def test_injected_faults_reach_joined_calls_too():

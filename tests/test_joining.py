@@ -118,6 +118,38 @@ def test_seats_step_their_schedulers_together_with_a_per_row_form(engines, monke
     assert calls == ([1, 1] + [2] * (STEPS - 2) + [1, 1] if batched else [])
 
 
+@pytest.mark.parametrize("name", list(CFG_ROWS))
+def test_a_joiner_run_ahead_encodes_nothing_in_its_seat_and_makes_its_image(engines, name, monkeypatch):
+    # Every family's call run ahead on another thread reaches its first denoiser call, and
+    # its seat then finds its `encode_prompt` result kept.
+    e = engines(name)
+    p = params(e)
+    alone = e.run([ROWS[2]], p).images[0]
+    pipe_class = type(e.pipe)
+    encode, encoded = pipe_class.encode_prompt, []
+
+    def counted(self, *args, **kwargs):
+        encoded.append(threading.current_thread().name)
+        return encode(self, *args, **kwargs)
+
+    monkeypatch.setattr(pipe_class, "encode_prompt", counted)
+    run = e.open_joined(p)
+    try:
+        run.add(ROWS[0])
+        run.step()
+        seen: list[bool] = []
+        ahead = threading.Thread(target=lambda: seen.append(run.foresee([ROWS[2]])), name="ahead")
+        ahead.start()
+        ahead.join()
+        seat = run.add(ROWS[2])
+        while run.active:
+            run.step()
+    finally:
+        run.close()
+    assert seen == [True] and encoded == ["MainThread", "ahead"], encoded
+    assert seat.error is None and close_to(seat.output.images[0], alone)
+
+
 @pytest.mark.parametrize("task", ["img2img", "inpaint"])
 def test_edits_join_too(engines, task):
     e = engines("tiny-sd")

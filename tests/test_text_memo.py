@@ -142,9 +142,9 @@ def test_a_call_run_ahead_leaves_its_seat_no_encoding_to_do(engine, task, monkey
         ahead.start()
         ahead.join()
         # Its prompts tokenized (its prompt padded and whole, to tell what the padding cut;
-        # the empty negative prompt) and its prompt encoded (the negative prompt's encoding was
-        # kept from the first seat); its image not encoded.
-        assert seen == [True] and where.count("ahead") == 4 and not vae_calls, where
+        # the empty negative prompt) and encoded (ahead, encoder calls are not looked up: on a
+        # GPU their keys would wait for the step in flight); its image not encoded.
+        assert seen == [True] and where.count("ahead") == 5 and not vae_calls, where
         before = len(where)
         seat = run.add(joiner)
         assert len(where) == before  # its seat tokenized and encoded nothing
@@ -157,3 +157,17 @@ def test_a_call_run_ahead_leaves_its_seat_no_encoding_to_do(engine, task, monkey
         undo(), vae_hook.remove(), vae_encoder_hook.remove()
     assert seat.error is None
     assert np.abs(np.asarray(seat.output.images[0]).astype(int) - alone).max() <= 2
+
+
+def test_a_call_run_ahead_ends_where_it_would_change_what_the_engine_thread_uses(engine):
+    # SDXL's image-to-image casts its VAE to float32 before encoding; FLUX enters its
+    # transformer's cache context. Ahead, reading their attributes is all a call may do.
+    from serve_app.engine.joined import _Foreseen, _Foresight, _NoImages
+
+    vae, denoiser = _NoImages(engine.pipe.vae), _Foresight(engine.pipe.unet, {})
+    assert vae.config.latent_channels == 4 and vae.dtype == denoiser.dtype
+    uses = (lambda: vae.to(dtype=None), lambda: vae.encode(None), lambda: vae(None),
+            lambda: denoiser.to(dtype=None), lambda: denoiser(None))  # fmt: skip
+    for use in uses:
+        with pytest.raises(_Foreseen):
+            use()

@@ -136,6 +136,15 @@ class BatchingConfig(_Strict):
         ),
     )
 
+    encode_ahead: bool = Field(
+        True,
+        description=(
+            "With step joining: a request handed over to join a running call has its prompts "
+            "encoded on a thread of its own while the call's current step is on the device, "
+            "instead of on the engine thread between two steps while the device waits."
+        ),
+    )
+
     rows_kept_for_others: int = Field(
         1,
         ge=0,

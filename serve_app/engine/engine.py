@@ -13,6 +13,7 @@ out. The names they define that callers use are importable from here too.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -122,7 +123,8 @@ def engine_class(extension: str | None) -> type[DiffusionEngine]:
 
 
 class DiffusionEngine:
-    """Owns one pipeline on one device. Not thread-safe: the replica calls it from one thread.
+    """Owns one pipeline on one device. Not thread-safe: the replica calls it from one thread
+    (but a joined run's `foresee`, which encodes prompts on another while a step is on the device).
 
     Its checks are a `checks.CallChecks` and its calls a `runs.Runner`; what an extension may
     override (`run`, `_row_call`, `warmup`, `self_test`, exported methods) stays here."""
@@ -409,8 +411,9 @@ class DiffusionEngine:
             restore = self.fast.eager_until(restore)
         self._runner.memory.start()
         denoiser = find_denoiser(self._task_pipes[params.task])
-        self._runner.text_memo = TextMemo(lambda: self.weights_epoch)  # the run's seats' encodings
-        return JoinedRun(params, adapters, denoiser, self._row_call, self._apply_lora, restore)
+        memo = self._runner.text_memo = TextMemo(lambda: self.weights_epoch)  # the run's seats' encodings
+        ahead = functools.partial(self._runner.row_call, memo=memo)  # not `_row_call`: on another thread
+        return JoinedRun(params, adapters, denoiser, self._row_call, self._apply_lora, restore, ahead, memo)
 
     def _row_call(self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None, stand_in):
         """One seat's own pipeline call in a joined run, with `stand_in` as its denoiser."""

@@ -21,6 +21,7 @@ import torch
 
 from serve_app.engine.joining import Seat, StepBatch
 from serve_app.engine.runs import _StopCall
+from serve_app.engine.text_memo import TextMemo, bare_encoders
 from serve_app.engine.types import CallParams, EngineOutput, Row, StepHook
 
 
@@ -42,12 +43,16 @@ class JoinedRun:
         row_call: Callable[..., EngineOutput],
         apply_adapters: Callable[[tuple], None],
         restore: Callable[[], None],
+        foresee_call: Callable[..., EngineOutput] | None = None,
+        memo: TextMemo | None = None,
     ):
         self.params = params
         self.adapters = adapters
         self._row_call = row_call
         self._apply_adapters = apply_adapters
         self._restore = restore
+        self._foresee_call = foresee_call  # `row_call` for `foresee`, into `memo`: the run's text memo
+        self._memo = memo
         self.batch = StepBatch(denoiser, _StopCall)
         self._tokenizers: dict[int, tuple[Any, Any]] = {}  # id: a tokenizer and `foresee`'s copy
 
@@ -96,10 +101,10 @@ class JoinedRun:
         same way and say why), and for calls with `extra` (a caller's arguments may change what
         the encoders share, as a LoRA scale does), which are not run ahead."""
         params = dataclasses.replace(params or self.params, sampler=None, sigma_schedule=None)
-        if params.extra:
+        if params.extra or self._foresee_call is None:
             return False
         try:
-            self._row_call(list(rows), params, None, _Foresight(self.batch.denoiser, self._tokenizers))
+            self._foresee_call(list(rows), params, None, _Foresight(self.batch.denoiser, self._tokenizers))
         except _Foreseen:
             return True
         except Exception:  # noqa: BLE001 - told by the seat's own call, on the engine thread
@@ -115,6 +120,8 @@ class JoinedRun:
         try:
             self.batch.close()
         finally:
+            if self._memo is not None:
+                self._memo.close()
             self._restore()
 
 
@@ -132,7 +139,7 @@ class _Foresight:
         self.on_call: Callable[[], None] | None = None
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._module, name)
+        return _read(self._module, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise _Foreseen
@@ -142,7 +149,7 @@ class _Foresight:
 
     def fit(self, pipe) -> None:
         """Have `pipe` (the call's own shallow copy) stop at the image decoder too, and
-        tokenize with tokenizers of its own."""
+        tokenize with tokenizers of its own, its encoder calls not keyed (`bare_encoders`)."""
         from transformers import PreTrainedTokenizerBase, ProcessorMixin  # not at the app's build
 
         vae = getattr(pipe, "vae", None)
@@ -153,18 +160,27 @@ class _Foresight:
                 if id(value) not in self._copies:
                     self._copies[id(value)] = (value, copy.deepcopy(value))
                 pipe.__dict__[name] = self._copies[id(value)][1]
+        bare_encoders(pipe)
 
 
 class _NoImages:
-    """An image decoder whose encoding or decoding ends a call run ahead."""
+    """An image decoder a call run ahead may read (its config, dtype), but any use of it
+    (encoding, decoding, SDXL's casting it to float32 first) ends the call."""
 
     def __init__(self, vae: torch.nn.Module):
         self._vae = vae
 
     def __getattr__(self, name: str) -> Any:
-        if name in ("encode", "decode", "tiled_encode", "tiled_decode", "forward"):
-            raise _Foreseen
-        return getattr(self._vae, name)
+        return _read(self._vae, name)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise _Foreseen
+
+
+def _read(module: torch.nn.Module, name: str) -> Any:
+    """`module`'s attribute `name` for a call run ahead: a value, never a method or a module to
+    call (which might change what the engine thread shares: a dtype cast, a cache context)."""
+    value = getattr(module, name)
+    if callable(value):
+        raise _Foreseen
+    return value

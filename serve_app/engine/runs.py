@@ -99,7 +99,8 @@ class _CallState:
 class Runner:
     """The pipeline calls of one engine: `pipe` is the loaded pipeline (its denoiser gets a hook
     that marks when denoising starts; `close` removes it) and `task_pipes` the pipeline of each
-    task, all sharing its modules. On the engine thread only."""
+    task, all sharing its modules. On the engine thread only (but `row_call` for a joined run's
+    `foresee`)."""
 
     def __init__(
         self,
@@ -165,12 +166,12 @@ class Runner:
                 self._state = paused
 
     def row_call(
-        self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None, stand_in
+        self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None, stand_in, memo=None
     ) -> EngineOutput:
         """One seat's own pipeline call in a joined run (rows that joined together, one call),
         with `stand_in` as its denoiser, a scheduler of its own (the pipeline keeps a call's
         state on itself: a shallow copy each) and its text encoders seen through the run's
-        `text_memo`."""
+        `text_memo` (or `memo`)."""
         st = _CallState(t0=time.perf_counter())
 
         def started() -> None:
@@ -179,7 +180,7 @@ class Runner:
 
         stand_in.on_call = started
         pipe = _seat_pipe(self.task_pipes[params.task], self._denoiser_attr, stand_in,
-                          self._scheduler(params, rows), self.text_memo)  # fmt: skip
+                          self._scheduler(params, rows), memo or self.text_memo)  # fmt: skip
         return self.call(rows, params, step_hook, pipe, NoCache(), st)
 
     def _scheduler(self, params: CallParams, rows: Sequence[Row]):
@@ -407,9 +408,9 @@ def _seat_pipe(task_pipe, denoiser_attr: str, stand_in, scheduler, memo: TextMem
     # a shallow copy is their own (a deep copy cost 0.85 ms a seat on tiny-sd).
     own = copy.copy if row_steps.joinable(scheduler) else copy.deepcopy
     pipe.__dict__["scheduler"] = own(scheduler)
-    stand_in.fit(pipe)
     if memo is not None:
         memo.wrap_encoders(pipe)
+    stand_in.fit(pipe)
     return pipe
 
 

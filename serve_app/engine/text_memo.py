@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 _PLAIN = (bool, int, float, str, type(None), torch.device, torch.dtype)
+_ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 
 class TextMemo:
@@ -41,11 +42,12 @@ class TextMemo:
         self._size = size
         self._outputs: collections.OrderedDict[tuple, Any] = collections.OrderedDict()
         self._lock = threading.Lock()
+        self._closed = False
 
     def wrap_encoders(self, pipe) -> None:
         """Have `pipe` (a seat's shallow copy of a pipeline) see its text encoders and its
         `encode_prompt` through this."""
-        for name in ("text_encoder", "text_encoder_2", "text_encoder_3"):
+        for name in _ENCODERS:
             if isinstance(encoder := getattr(pipe, name, None), torch.nn.Module):
                 pipe.__dict__[name] = Memoized(encoder, name, self)
         if callable(encode := getattr(pipe, "encode_prompt", None)):  # bound to `pipe`
@@ -62,11 +64,26 @@ class TextMemo:
                 return _fresh(self._outputs[key])
         out = run()
         with self._lock:
-            if self._epoch() == at == self._at:  # made with the weights in force now
+            if self._epoch() == at == self._at and not self._closed:  # the weights in force now
                 self._outputs[key] = _fresh(out)  # copies both ways: a pipeline may write into its own
                 if len(self._outputs) > self._size:
                     self._outputs.popitem(last=False)
         return out
+
+    def close(self) -> None:
+        """The run is over: keep nothing more (a call run ahead may still end after it)."""
+        with self._lock:
+            self._closed = True
+            self._outputs.clear()
+
+
+def bare_encoders(pipe) -> None:
+    """Have `pipe` call its text encoders themselves again, its `encode_prompt` still seen
+    through the memo: a call run ahead on another thread keys no encoder call by its token
+    ids (on a GPU, copying them to the host would wait for the step in flight)."""
+    for name in _ENCODERS:
+        if isinstance(encoder := pipe.__dict__.get(name), Memoized):
+            pipe.__dict__[name] = encoder._module
 
 
 class Memoized:

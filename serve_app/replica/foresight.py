@@ -1,25 +1,27 @@
-"""Encoding joiners' prompts ahead, while the device works.
+"""Encoding joiners' prompts ahead, while the step in flight is on the device.
 
 A request handed over to join a running call sets its seat up on the engine thread between two
 steps, while the device waits; most of that set-up is encoding its prompts. So once requests
-are handed over, a thread of its own waits for the step in flight to be on the device (the
-engine thread waiting in its denoiser call) and, while it is, runs the pipeline call of each
-group of them that will share a seat (`intake.cohorts`, as the engine thread will group them)
-up to its first denoiser call (`JoinedRun.foresee`): their encodings are in the run's text memo
-when the seat is set up. Whatever goes wrong there is left to the seat's own call, which says
-why.
+are handed over (`batching.encode_ahead`), a thread of its own waits for the engine thread to
+be in a step's denoiser call and, while it is, runs the pipeline call of each group of them
+that will share a seat (`intake.cohorts`, as the engine thread will group them) up to its first
+denoiser call (`JoinedRun.foresee`): their encodings are in the run's text memo when the seat
+is set up. Whatever goes wrong there is left to the seat's own call, which says why.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from serve_app.replica.intake import cohorts, work
 
+logger = logging.getLogger(__name__)
+
 
 class Foresight:
-    """One thread that runs joiners' calls ahead (it ends with its executor, once the replica's
-    loop is gone). `wait_s`: how long it waits for a device call to run beside."""
+    """One thread that runs joiners' calls ahead (it ends once the replica's loop, and so its
+    executor, is gone). `wait_s`: how long it waits for a device call to run beside."""
 
     def __init__(self, wait_s: float = 1.0):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="foresee")
@@ -29,20 +31,27 @@ class Foresight:
     def ahead(self, joined) -> None:
         """Run ahead the cohorts in `joined`'s inbox (a replica's `_Joined`: what it has handed
         over to its run, not yet taken by the engine thread) not run ahead yet."""
-        self._pool.submit(self._drain, joined)
+        self._pool.submit(self._drain, joined).add_done_callback(_told)
 
     def _drain(self, joined) -> None:
         calling = joined.run.device_call
-        if not calling.wait(self._wait_s):
+        if joined.closed or not calling.wait(self._wait_s):
             return
         while calling.is_set():  # the engine thread takes the inbox once the call is done
             with joined.lock:
                 if joined.closed:
                     return
                 inbox = list(joined.inbox)
-            todo = [c for c in cohorts(inbox) if tuple(map(id, c)) not in joined.foreseen]
+            groups = [tuple(map(id, c)) for c in cohorts(inbox)]
+            joined.foreseen &= set(groups)  # the cohorts taken since are the engine thread's
+            todo = [c for c, g in zip(cohorts(inbox), groups, strict=True) if g not in joined.foreseen]
             if not todo:
                 return
             joined.foreseen.add(tuple(map(id, todo[0])))
             rows = [r for job in todo[0] for r in job.rows]
             self.seen += joined.run.foresee(rows, work(todo[0][0]).params)
+
+
+def _told(done: Future) -> None:
+    if (e := done.exception()) is not None:  # a fault of ours: the seats encode for themselves
+        logger.warning("encoding ahead failed: %s: %s", type(e).__name__, e)

@@ -371,7 +371,7 @@ class EngineLoop:
             if room > 0:
                 taken = self.scheduler.take_joiners(key, room, fits, joined.admitted)
                 joined.inbox += taken
-                if taken and joined.run is not None:
+                if taken and joined.run is not None and self.batching.encode_ahead:
                     self.foresight.ahead(joined)
             if joined.inbox or set(joined.parked) != parked:  # news for the engine thread
                 joined.news.set()
