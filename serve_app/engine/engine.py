@@ -13,7 +13,6 @@ out. The names they define that callers use are importable from here too.
 
 from __future__ import annotations
 
-import functools
 import importlib
 import logging
 import os
@@ -123,8 +122,7 @@ def engine_class(extension: str | None) -> type[DiffusionEngine]:
 
 
 class DiffusionEngine:
-    """Owns one pipeline on one device. Not thread-safe: the replica calls it from one thread
-    (but a joined run's `foresee`, which encodes prompts on another while a step is on the device).
+    """Owns one pipeline on one device. Not thread-safe: one thread calls it (but `JoinedRun.foresee`).
 
     Its checks are a `checks.CallChecks` and its calls a `runs.Runner`; what an extension may
     override (`run`, `_row_call`, `warmup`, `self_test`, exported methods) stays here."""
@@ -410,10 +408,9 @@ class DiffusionEngine:
         if self.fast is not None and self._in_force.hooked:  # a DoRA set: its hooks, uncompiled
             restore = self.fast.eager_until(restore)
         self._runner.memory.start()
-        denoiser = find_denoiser(self._task_pipes[params.task])
         memo = self._runner.text_memo = TextMemo(lambda: self.weights_epoch)  # the run's seats' encodings
-        ahead = functools.partial(self._runner.row_call, memo=memo)  # not `_row_call`: on another thread
-        return JoinedRun(params, adapters, denoiser, self._row_call, self._apply_lora, restore, ahead, memo)
+        return JoinedRun(params, adapters, find_denoiser(self._task_pipes[params.task]), self._row_call,
+                         self._apply_lora, restore, self._runner.row_call, memo)  # fmt: skip
 
     def _row_call(self, rows: Sequence[Row], params: CallParams, step_hook: StepHook | None, stand_in):
         """One seat's own pipeline call in a joined run, with `stand_in` as its denoiser."""

@@ -51,7 +51,9 @@ class JoinedRun:
         self._row_call = row_call
         self._apply_adapters = apply_adapters
         self._restore = restore
-        self._foresee_call = foresee_call  # `row_call` for `foresee`, into `memo`: the run's text memo
+        # `foresee`'s call (`Runner.row_call`: not the extensions' hook, it runs on another
+        # thread) into `memo`, the run's text memo.
+        self._foresee_call = foresee_call
         self._memo = memo
         self.batch = StepBatch(denoiser, _StopCall)
         self._tokenizers: dict[int, tuple[Any, Any]] = {}  # id: a tokenizer and `foresee`'s copy
@@ -104,7 +106,8 @@ class JoinedRun:
         if params.extra or self._foresee_call is None:
             return False
         try:
-            self._foresee_call(list(rows), params, None, _Foresight(self.batch.denoiser, self._tokenizers))
+            stand_in = _Foresight(self.batch.denoiser, self._tokenizers)
+            self._foresee_call(list(rows), params, None, stand_in, memo=self._memo)
         except _Foreseen:
             return True
         except Exception:  # noqa: BLE001 - told by the seat's own call, on the engine thread
