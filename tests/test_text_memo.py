@@ -171,3 +171,16 @@ def test_a_call_run_ahead_ends_where_it_would_change_what_the_engine_thread_uses
     for use in uses:
         with pytest.raises(_Foreseen):
             use()
+
+
+def test_arguments_equal_in_python_but_of_other_types_are_other_calls():
+    import torch
+
+    from serve_app.engine.text_memo import Memoized, TextMemo
+
+    calls: list = []
+    encode = Memoized(lambda x: calls.append(x) or torch.zeros(1), "encode_prompt", TextMemo(lambda: 0))
+    with torch.no_grad():
+        for x in (1, True, 1.0, 1, [1, 2], (1, 2), [1, 2]):
+            encode(x)
+    assert calls == [1, True, 1.0, [1, 2], (1, 2)]

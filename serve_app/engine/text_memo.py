@@ -34,9 +34,10 @@ _ENCODERS = ("text_encoder", "text_encoder_2", "text_encoder_3")
 
 class TextMemo:
     """The outputs of one joined run's text encoder (and `encode_prompt`) calls, the `size`
-    latest (the empty negative prompt, asked for by every seat, stays in)."""
+    latest used (the empty negative prompt's encoding is used by every seat whose
+    `encode_prompt` is not kept)."""
 
-    def __init__(self, epoch: Callable[[], int], size: int = 32):
+    def __init__(self, epoch: Callable[[], int], size: int = 16):
         self._epoch = epoch
         self._at = epoch()
         self._size = size
@@ -132,7 +133,7 @@ def _part(v: Any) -> Any:
         data = v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
         return ("tensor", tuple(v.shape), v.dtype, v.device, hashlib.blake2b(data, digest_size=16).digest())
     if isinstance(v, _PLAIN):
-        return v
+        return (type(v).__name__, v)  # 1, 1.0 and True are equal keys, not equal arguments
     if isinstance(v, list | tuple):
         parts = tuple(_part(x) for x in v)
         return _UNKNOWN if any(p is _UNKNOWN for p in parts) else (type(v).__name__, parts)
