@@ -172,8 +172,13 @@ def test_killed_replicas_and_ingress_lose_no_request_and_no_job(app_factory, cli
     kills = 0
     rng = random.Random(0)
     t0 = time.monotonic()
-    for _ in range(3):
+    # Three kills, and more (up to eight) until one has caught a request that was then retried:
+    # on a loaded machine three kills 3 s apart sometimes caught none.
+    caught = lambda: any(s == 200 and b["attempts"] > 1 for s, b in list(outcomes))  # noqa: E731
+    for k in range(8):
         time.sleep(3)
+        if k >= 3 and caught():
+            break
         names = replica_actors(app)
         if names:
             ray.kill(ray.get_actor(rng.choice(names), namespace="serve"), no_restart=True)
