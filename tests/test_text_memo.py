@@ -162,9 +162,9 @@ def test_a_call_run_ahead_leaves_its_seat_no_encoding_to_do(engine, task, monkey
 def test_a_call_run_ahead_ends_where_it_would_change_what_the_engine_thread_uses(engine):
     # SDXL's image-to-image casts its VAE to float32 before encoding; FLUX enters its
     # transformer's cache context. Ahead, reading their attributes is all a call may do.
-    from serve_app.engine.joined import _Foreseen, _Foresight, _NoImages
+    from serve_app.engine.joined import _Foreseen, _Foresight, _NoUse
 
-    vae, denoiser = _NoImages(engine.pipe.vae), _Foresight(engine.pipe.unet, {})
+    vae, denoiser = _NoUse(engine.pipe.vae), _Foresight(engine.pipe.unet, {})
     assert vae.config.latent_channels == 4 and vae.dtype == denoiser.dtype
     uses = (lambda: vae.to(dtype=None), lambda: vae.encode(None), lambda: vae(None),
             lambda: denoiser.to(dtype=None), lambda: denoiser(None))  # fmt: skip

@@ -132,20 +132,32 @@ class _Foreseen(Exception):
     """Ends a call run ahead (`JoinedRun.foresee`) where its seat's set-up would end."""
 
 
-class _Foresight:
-    """The denoiser (and image decoder) a call run ahead sees: their attributes, but a call
-    ends it. `copies` holds the tokenizers' copies it uses, made once a run."""
+class _NoUse:
+    """A module a call run ahead may read (its config, dtype), but any use of it (calling it or
+    one of its methods: SDXL's casting its VAE to float32, FLUX's cache context) ends the call:
+    it might change what the engine thread shares."""
 
-    def __init__(self, module: torch.nn.Module, copies: dict[int, tuple[Any, Any]]):
+    def __init__(self, module: torch.nn.Module):
         self._module = module
-        self._copies = copies
-        self.on_call: Callable[[], None] | None = None
 
     def __getattr__(self, name: str) -> Any:
-        return _read(self._module, name)
+        value = getattr(self._module, name)
+        if callable(value):
+            raise _Foreseen
+        return value
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         raise _Foreseen
+
+
+class _Foresight(_NoUse):
+    """The denoiser a call run ahead sees; `copies` holds the tokenizers' copies it uses, made
+    once a run."""
+
+    def __init__(self, module: torch.nn.Module, copies: dict[int, tuple[Any, Any]]):
+        super().__init__(module)
+        self._copies = copies
+        self.on_call: Callable[[], None] | None = None
 
     def join_steps(self, scheduler) -> None:
         """Its scheduler is never stepped."""
@@ -157,33 +169,10 @@ class _Foresight:
 
         vae = getattr(pipe, "vae", None)
         if isinstance(vae, torch.nn.Module):
-            pipe.__dict__["vae"] = _NoImages(vae)
+            pipe.__dict__["vae"] = _NoUse(vae)
         for name, value in list(vars(pipe).items()):
             if isinstance(value, PreTrainedTokenizerBase | ProcessorMixin):
                 if id(value) not in self._copies:
                     self._copies[id(value)] = (value, copy.deepcopy(value))
                 pipe.__dict__[name] = self._copies[id(value)][1]
         bare_encoders(pipe)
-
-
-class _NoImages:
-    """An image decoder a call run ahead may read (its config, dtype), but any use of it
-    (encoding, decoding, SDXL's casting it to float32 first) ends the call."""
-
-    def __init__(self, vae: torch.nn.Module):
-        self._vae = vae
-
-    def __getattr__(self, name: str) -> Any:
-        return _read(self._vae, name)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise _Foreseen
-
-
-def _read(module: torch.nn.Module, name: str) -> Any:
-    """`module`'s attribute `name` for a call run ahead: a value, never a method or a module to
-    call (which might change what the engine thread shares: a dtype cast, a cache context)."""
-    value = getattr(module, name)
-    if callable(value):
-        raise _Foreseen
-    return value

@@ -42,9 +42,9 @@ class Foresight:
                 if joined.closed:
                     return
                 inbox = list(joined.inbox)
-            groups = [tuple(map(id, c)) for c in cohorts(inbox)]
+            groups = {tuple(map(id, c)): c for c in cohorts(inbox)}
             joined.foreseen &= set(groups)  # the cohorts taken since are the engine thread's
-            todo = [c for c, g in zip(cohorts(inbox), groups, strict=True) if g not in joined.foreseen]
+            todo = [c for g, c in groups.items() if g not in joined.foreseen]
             if not todo:
                 return
             joined.foreseen.add(tuple(map(id, todo[0])))
